@@ -1,0 +1,1 @@
+"""Triton kernels (imported as ``salaquant.kernels``), each beside its PyTorch reference."""

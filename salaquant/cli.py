@@ -1,0 +1,188 @@
+"""``salaquant`` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .model.checkpoint import CheckpointError
+from .model.config import ConfigError
+
+app = typer.Typer(
+    name="salaquant",
+    help="Post-training quantization for MiniCPM-SALA: GPTQ W4A16 and NVFP4 for vLLM/SGLang.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    if version:
+        console.print(f"salaquant {__version__}")
+        raise typer.Exit(0)
+
+
+@app.command()
+def tiny(
+    out: Annotated[Path, typer.Argument(help="Output folder for the checkpoint.")],
+    preset: Annotated[str, typer.Option(help="tiny (CI size), small (trained-model shape) or full (9.48B).")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed writes the same bytes.")] = 0,
+    std: Annotated[float, typer.Option(help="Standard deviation of the random linear/embedding weights.")] = 0.02,
+    device: Annotated[str, typer.Option(help="Where to draw the random numbers (cpu or cuda).")] = "cpu",
+    shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 4GB or 500MB.")] = "4GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+) -> None:
+    """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
+    from .model.tiny import preset_config, write_random_checkpoint
+
+    try:
+        cfg = preset_config(preset)
+        path = write_random_checkpoint(
+            out,
+            cfg,
+            seed=seed,
+            std=std,
+            device=device,
+            max_shard_bytes=parse_size(shard_size),
+            overwrite=overwrite,
+        )
+    except (ValueError, CheckpointError) as exc:
+        fail(str(exc))
+    console.print(f"wrote {preset} SALA checkpoint to [bold]{path}[/]")
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="A SALA checkpoint folder (or its config.json).")],
+) -> None:
+    """Print the layer map, parameter counts per layer type and the bf16 / W4A16 / NVFP4 sizes."""
+    from .model.checkpoint import CheckpointReader
+    from .model.config import SalaConfig
+    from .model.layout import parameter_shapes
+    from .summary import human_bytes, human_count, layer_map, summarize
+
+    try:
+        config = SalaConfig.from_file(model)
+    except ConfigError as exc:
+        fail(str(exc))
+    s = summarize(config)
+
+    console.print(
+        f"[bold]{model}[/]: MiniCPM-SALA, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"intermediate {config.intermediate_size}, vocab {config.vocab_size}"
+    )
+    runs = ", ".join(f"{a}" if a == b else f"{a}-{b}" for _, a, b in layer_map(config) if _ == "minicpm4")
+    console.print(f"minicpm4 (sparse softmax) layers: {runs or 'none'}; all others lightning (Simple GLA)")
+    sc = config.sparse_config
+    if sc is not None:
+        console.print(
+            f"sparse_config: block {sc['block_size']}, topk {sc['topk']} + window {sc['window_size']}, "
+            f"dense_len {sc['dense_len']}"
+        )
+
+    table = Table(title="Layer map")
+    table.add_column("layers")
+    table.add_column("mixer")
+    table.add_column("attention")
+    for kind, a, b in layer_map(config):
+        desc = (
+            f"GQA {config.num_attention_heads}:{config.num_key_value_heads} x {config.head_dim}, "
+            f"rope={'on' if config.attn_use_rope else 'off'}, o_gate"
+            if kind == "minicpm4"
+            else f"GLA {config.lightning_nh} heads x {config.lightning_head_dim}, q/k norm, rope, o_norm, z_proj"
+        )
+        table.add_row(str(a) if a == b else f"{a}-{b}", kind, desc)
+    console.print(table)
+
+    params = Table(title="Parameters")
+    for col in ("part", "layers", "attention", "mlp", "norms", "total"):
+        params.add_column(col, justify="right" if col != "part" else "left")
+    for kind, st in s.kinds.items():
+        params.add_row(
+            kind,
+            str(st.layers),
+            human_count(st.attention),
+            human_count(st.mlp),
+            human_count(st.norms),
+            human_count(st.total),
+        )
+    params.add_row("embed_tokens", "", "", "", "", human_count(s.embed))
+    params.add_row("lm_head", "", "", "", "", human_count(s.lm_head) if s.lm_head else "tied")
+    params.add_row("[bold]total", "", "", "", "", f"[bold]{human_count(s.total_params)}")
+    console.print(params)
+
+    sizes = Table(title="Checkpoint size (embeddings and lm_head bf16)")
+    sizes.add_column("format")
+    sizes.add_column("bytes", justify="right")
+    sizes.add_column("vs bf16", justify="right")
+    for name, value in (
+        ("bf16", s.bf16_bytes),
+        ("W4A16 GPTQ g128 (all decoder linears)", s.w4a16_bytes),
+        ("NVFP4 default (minicpm4 attention bf16)", s.nvfp4_default_bytes),
+        ("NVFP4 dense-all", s.nvfp4_dense_all_bytes),
+    ):
+        sizes.add_row(name, human_bytes(value), f"{value / s.bf16_bytes:.3f}")
+    console.print(sizes)
+
+    cfg_path = model if model.is_dir() else model.parent
+    has_weights = any(cfg_path.glob("*.safetensors")) or any(cfg_path.glob("*.bin"))
+    if has_weights:
+        try:
+            reader = CheckpointReader(cfg_path)
+            expected = parameter_shapes(config)
+            for name, shape in expected.items():
+                if name not in reader:
+                    raise CheckpointError(f"{cfg_path}: tensor {name} is missing")
+                if tuple(reader.shape(name)) != shape:
+                    raise CheckpointError(
+                        f"{cfg_path}: tensor {name} has shape {tuple(reader.shape(name))}, expected {shape}"
+                    )
+            console.print(
+                f"weights: {len(expected)} tensors present with the expected shapes, "
+                f"{human_bytes(reader.total_bytes())} on disk"
+            )
+        except CheckpointError as exc:
+            fail(str(exc))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

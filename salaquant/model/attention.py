@@ -1,0 +1,183 @@
+"""The two token mixers of MiniCPM-SALA.
+
+* ``SparseAttention`` (mixer ``minicpm4``): GQA softmax attention (no RoPE in the public checkpoint),
+  dense, forced dense, or InfLLM-v2 block-sparse from ``dense_len`` on, then ``x sigmoid(o_gate(x))``
+  and ``o_proj``.
+* ``LightningAttention`` (mixer ``lightning``): per-head q/k RMSNorm, NeoX RoPE in fp32, Simple GLA in
+  fp32 with ``g_gamma = -ALiBi slopes``, ``o_norm``, ``x sigmoid(z_proj(x))``, ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import LightningLayerCache, SparseLayerCache
+from .config import SalaConfig
+from .gla import alibi_slopes, simple_gla
+from .layers import RMSNorm, apply_rope
+from .sparse_attention import SparseParams, compress_keys, extend_compressed, infllm_v2_attention
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention. q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; queries are the last Tq positions."""
+    tq, tk = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if group > 1:
+        kh = kh.repeat_interleave(group, dim=1)
+        vh = vh.repeat_interleave(group, dim=1)
+    if tq == tk:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    elif tq == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+    else:
+        q_pos = torch.arange(tk - tq, tk, device=q.device)
+        mask = torch.arange(tk, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+class SparseAttention(nn.Module):
+    """minicpm4 layer mixer. ``mode``: "auto" (sparse when the total length reaches dense_len),
+    "dense" (forced dense: the calibration switch) or "sparse" (always InfLLM-v2)."""
+
+    def __init__(self, config: SalaConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.use_rope = config.attn_use_rope
+        self.use_gate = config.attn_use_output_gate
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if self.use_gate:
+            self.o_gate = nn.Linear(h, self.num_heads * d, bias=False)
+        self.dense_len = config.dense_len
+        self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
+
+    def use_sparse(self, total_len: int, mode: str) -> bool:
+        if mode == "dense":
+            return False
+        if self.sparse is None:
+            if mode == "sparse":
+                raise ValueError("attention mode 'sparse' needs a sparse_config in config.json")
+            return False
+        if mode == "sparse":
+            return True
+        assert self.dense_len is not None
+        return total_len >= self.dense_len
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeTables | None,
+        cache: SparseLayerCache | None = None,
+        mode: str = "auto",
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            assert rope is not None
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        scale = self.head_dim**-0.5
+        if self.use_sparse(k.shape[1], mode):
+            assert self.sparse is not None
+            k1 = k2 = None
+            if cache is not None:
+                p = self.sparse
+                cache.k1 = (
+                    compress_keys(k, p.kernel_size, p.kernel_stride)
+                    if cache.k1 is None
+                    else extend_compressed(k, cache.k1, p.kernel_size, p.kernel_stride)
+                )
+                cache.k2 = (
+                    compress_keys(k, p.kernel_size2, p.kernel_stride2)
+                    if cache.k2 is None
+                    else extend_compressed(k, cache.k2, p.kernel_size2, p.kernel_stride2)
+                )
+                k1, k2 = cache.k1, cache.k2
+            out = infllm_v2_attention(q, k, v, self.sparse, k1=k1, k2=k2)
+        else:
+            out = dense_causal_attention(q, k, v, scale)
+        out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
+        if self.use_gate:
+            out = out * torch.sigmoid(self.o_gate(x))
+        return self.o_proj(out)
+
+
+class LightningAttention(nn.Module):
+    """lightning layer mixer (Simple GLA with fixed per-head decay)."""
+
+    def __init__(self, config: SalaConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.lightning_nh
+        self.num_kv_heads = config.lightning_nkv
+        self.head_dim = d = config.lightning_head_dim
+        self.scale = config.lightning_scale
+        self.use_rope = config.lightning_use_rope
+        self.use_qk_norm = config.qk_norm
+        self.use_out_norm = config.use_output_norm
+        self.use_gate = config.use_output_gate
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        if self.use_out_norm:
+            self.o_norm = RMSNorm(self.num_heads * d, config.rms_norm_eps)
+        if self.use_gate:
+            self.z_proj = nn.Linear(h, self.num_heads * d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeTables | None,
+        cache: LightningLayerCache | None = None,
+        mode: str = "auto",
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            assert rope is not None
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
+        state = cache.state if cache is not None else None
+        o, final = simple_gla(
+            q.float(),
+            k.float(),
+            v.float(),
+            -alibi_slopes(self.num_heads).to(x.device),
+            self.scale,
+            initial_state=state,
+            output_final_state=cache is not None,
+        )
+        if cache is not None:
+            cache.state = final
+        o = o.to(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
+        if self.use_out_norm:
+            o = self.o_norm(o)
+        if self.use_gate:
+            o = o * torch.sigmoid(self.z_proj(x))
+        return self.o_proj(o)

@@ -1,0 +1,697 @@
+"""Safetensors checkpoint reading and writing for Hugging Face model folders.
+
+`CheckpointReader` opens a checkpoint folder lazily: shard headers give names, shapes and
+dtypes without touching tensor data, and tensors are read one at a time. `CheckpointWriter`
+writes a sharded checkpoint into a temporary sibling folder and moves it into place only when
+everything has been written. Pickled weight files (``*.bin``, ``*.pt``, ``*.pth``) are never
+loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any, cast
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as _st_save
+from safetensors.torch import save_file as _st_save_file
+
+__all__ = [
+    "CONFIG_NAME",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "SINGLE_FILE_NAME",
+    "CheckpointError",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "save_state_dict",
+]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 4 * 10**9
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# Files never copied by `CheckpointWriter.copy_aux`: weights in any format and their indexes.
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".pkl",
+    ".pickle",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+)
+_WEIGHT_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+for _st_name, _torch_name in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):
+    if hasattr(torch, _torch_name):
+        _ST_DTYPES[_st_name] = getattr(torch, _torch_name)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder, file or tensor cannot be read or written as asked."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+class _TensorInfo:
+    """Header entry of one tensor: dtype string, shape and byte size."""
+
+    __slots__ = ("dtype", "nbytes", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = nbytes
+
+
+def _read_header(path: Path) -> dict[str, _TensorInfo]:
+    """Parse the JSON header of a safetensors file without reading tensor data."""
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise CheckpointError(f"{path}: file is too short to be a safetensors file")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > _MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: safetensors header length {header_len} is not plausible")
+            raw = f.read(header_len)
+            file_size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {exc}") from exc
+    if len(raw) != header_len:
+        raise CheckpointError(f"{path}: safetensors header is truncated")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    data_size = file_size - 8 - header_len
+    infos: dict[str, _TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = str(entry["dtype"])
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from exc
+        if not 0 <= begin <= end <= data_size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} data [{begin}, {end}) lies outside the file's "
+                f"{data_size} data bytes (truncated file?)"
+            )
+        infos[name] = _TensorInfo(dtype, shape, end - begin)
+    return infos
+
+
+def _check_shard_name(index_path: Path, shard: object) -> str:
+    """Accept only plain relative shard paths inside the checkpoint folder."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index_path}: weight_map holds a shard entry that is not a file name: {shard!r}")
+    parts = PurePosixPath(shard.replace("\\", "/")).parts
+    if PurePosixPath(shard).is_absolute() or Path(shard).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{index_path}: shard path {shard!r} points outside the checkpoint folder")
+    return shard
+
+
+class CheckpointReader:
+    """Lazy reader for a Hugging Face safetensors checkpoint folder.
+
+    The tensor map comes from ``model.safetensors.index.json`` when present, else from a single
+    ``model.safetensors``, else from the headers of all ``*.safetensors`` files in the folder.
+    Shapes and dtypes come from shard headers; tensor data is read only by `get` and friends,
+    through ``safe_open`` handles that are opened on first use and cached per shard.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint folder {self.path} does not exist")
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint path {self.path} is not a folder")
+        self._weight_map: dict[str, str] = {}
+        self._headers: dict[str, dict[str, _TensorInfo]] = {}
+        self._handles: dict[str, Any] = {}
+        self.index_path: Path | None = None
+        self._locate_weights()
+        config_path = self.path / CONFIG_NAME
+        if not config_path.is_file():
+            raise CheckpointError(f"checkpoint folder {self.path} has no {CONFIG_NAME}")
+        self._config: dict[str, Any] | None = None
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def _locate_weights(self) -> None:
+        index_path = self.path / INDEX_NAME
+        single_path = self.path / SINGLE_FILE_NAME
+        if index_path.is_file():
+            self.index_path = index_path
+            self._load_index(index_path)
+            return
+        if single_path.is_file():
+            self._add_shard_from_header(SINGLE_FILE_NAME)
+            return
+        shards = sorted(p.name for p in self.path.glob("*.safetensors") if p.is_file())
+        if shards:
+            for shard in shards:
+                self._add_shard_from_header(shard)
+            return
+        pickled = sorted(p.name for p in self.path.iterdir() if p.is_file() and p.suffix in _PICKLE_SUFFIXES)
+        if pickled:
+            shown = ", ".join(pickled[:5]) + (", ..." if len(pickled) > 5 else "")
+            raise CheckpointError(
+                f"checkpoint folder {self.path} holds only pickled weights ({shown}); pickled "
+                "checkpoints are never loaded because unpickling can run arbitrary code. Convert it "
+                "to safetensors in a trusted environment, e.g. load it with transformers "
+                "(AutoModelForCausalLM.from_pretrained(path)) and call "
+                "model.save_pretrained(out_dir, safe_serialization=True), then point to out_dir"
+            )
+        raise CheckpointError(f"checkpoint folder {self.path} holds no *.safetensors weight files")
+
+    def _load_index(self, index_path: Path) -> None:
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{index_path}: cannot parse index: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: missing or empty 'weight_map'")
+        present: set[str] = set()
+        missing: dict[str, str] = {}
+        for name, shard in weight_map.items():
+            shard_name = _check_shard_name(index_path, shard)
+            if shard_name not in present and shard_name not in missing:
+                if (self.path / shard_name).is_file():
+                    present.add(shard_name)
+                else:
+                    missing[shard_name] = str(name)
+            self._weight_map[str(name)] = shard_name
+        if missing:
+            shard_name, tensor = next(iter(missing.items()))
+            more = f" (and {len(missing) - 1} more missing shard(s))" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{index_path}: shard file {shard_name!r} (holding e.g. tensor {tensor!r}) "
+                f"does not exist in {self.path}{more}"
+            )
+
+    def _add_shard_from_header(self, shard: str) -> None:
+        header = self._header(shard)
+        for name in header:
+            other = self._weight_map.get(name)
+            if other is not None and other != shard:
+                raise CheckpointError(f"tensor {name!r} appears in both {self.path / other} and {self.path / shard}")
+            self._weight_map[name] = shard
+
+    def _header(self, shard: str) -> dict[str, _TensorInfo]:
+        header = self._headers.get(shard)
+        if header is None:
+            header = _read_header(self.path / shard)
+            self._headers[shard] = header
+        return header
+
+    def _info(self, name: str) -> _TensorInfo:
+        shard = self._shard_of(name)
+        info = self._header(shard).get(name)
+        if info is None:
+            where = self.index_path if self.index_path is not None else self.path
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is mapped to shard {shard!r}, but that shard's header does not list it"
+            )
+        return info
+
+    def _shard_of(self, name: str) -> str:
+        shard = self._weight_map.get(name)
+        if shard is None:
+            close = difflib.get_close_matches(name, self._weight_map.keys(), n=5, cutoff=0.6)
+            hint = f"; close matches: {', '.join(close)}" if close else ""
+            raise CheckpointError(f"tensor {name!r} is not in checkpoint {self.path}{hint}")
+        return shard
+
+    def _handle(self, shard: str) -> Any:
+        handle = self._handles.get(shard)
+        if handle is None:
+            try:
+                handle = safe_open(str(self.path / shard), framework="pt", device="cpu")
+            except Exception as exc:
+                raise CheckpointError(f"{self.path / shard}: cannot open safetensors file: {exc}") from exc
+            self._handles[shard] = handle
+        return handle
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """All tensor names, sorted."""
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weight_map
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def shard_files(self) -> list[str]:
+        """Shard file names (relative to the folder), sorted."""
+        return sorted(set(self._weight_map.values()))
+
+    def shard_of(self, name: str) -> str:
+        """Shard file name holding tensor ``name``."""
+        return self._shard_of(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` from the shard header."""
+        return self._info(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Torch dtype of tensor ``name`` from the shard header."""
+        st_dtype = self._info(name).dtype
+        dtype = _ST_DTYPES.get(st_dtype)
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r} has safetensors dtype {st_dtype!r}, which torch cannot represent")
+        return dtype
+
+    def nbytes(self, name: str) -> int:
+        """Stored byte size of tensor ``name``."""
+        return self._info(name).nbytes
+
+    def total_bytes(self) -> int:
+        """Sum of the stored byte sizes of all tensors (reads every shard header)."""
+        return sum(self._info(name).nbytes for name in self._weight_map)
+
+    def config(self) -> dict[str, Any]:
+        """Parsed ``config.json`` (cached; a copy is returned)."""
+        if self._config is None:
+            config_path = self.path / CONFIG_NAME
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{config_path}: cannot parse: {exc}") from exc
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_path}: top level is not a JSON object")
+            self._config = config
+        return json.loads(json.dumps(self._config))
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def get(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Load one tensor, optionally moving it to ``device`` and casting it to ``dtype``."""
+        shard = self._shard_of(name)
+        self._info(name)
+        try:
+            tensor = self._handle(shard).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{self.path / shard}: cannot read tensor {name!r}: {exc}") from exc
+        if torch.device(device) != tensor.device:
+            tensor = tensor.to(device)
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        return tensor
+
+    def get_checked(
+        self,
+        name: str,
+        expected_shape: Sequence[int],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Load one tensor after checking its header shape against ``expected_shape``."""
+        expected = tuple(int(d) for d in expected_shape)
+        actual = self.shape(name)
+        if actual != expected:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.path / self._shard_of(name)} has shape {list(actual)}, "
+                f"expected {list(expected)}"
+            )
+        return self.get(name, device=device, dtype=dtype)
+
+    def get_many(
+        self, prefix: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Load every tensor whose name starts with ``prefix`` (e.g. ``"model.layers.3."``).
+
+        Raises `CheckpointError` when no tensor matches.
+        """
+        names = [n for n in self.keys() if n.startswith(prefix)]
+        if not names:
+            raise CheckpointError(f"no tensor in checkpoint {self.path} has a name starting with {prefix!r}")
+        names.sort(key=lambda n: (self._weight_map[n], n))
+        loaded = {n: self.get(n, device=device, dtype=dtype) for n in names}
+        return {n: loaded[n] for n in sorted(loaded)}
+
+    def close(self) -> None:
+        """Drop the cached ``safe_open`` handles."""
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.path)!r}, tensors={len(self)}, shards={len(self.shard_files())})"
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+_dtype_support: dict[torch.dtype, bool] = {}
+
+
+def _safetensors_supports(dtype: torch.dtype) -> bool:
+    supported = _dtype_support.get(dtype)
+    if supported is None:
+        try:
+            _st_save({"x": torch.empty(0, dtype=dtype)})
+            supported = True
+        except Exception:
+            supported = False
+        _dtype_support[dtype] = supported
+    return supported
+
+
+def _is_weight_file(rel: PurePosixPath) -> bool:
+    name = rel.name.lower()
+    if name.endswith(_WEIGHT_INDEX_SUFFIXES):
+        return True
+    return name.endswith(_WEIGHT_SUFFIXES)
+
+
+def _dir_is_nonempty(path: Path) -> bool:
+    return any(path.iterdir())
+
+
+class CheckpointWriter:
+    """Write a sharded safetensors checkpoint atomically.
+
+    Use as a context manager. Everything is written into a temporary folder next to ``out_dir``;
+    on a clean exit the shards are given their final names, the index is written (multi-shard
+    only) and the folder is renamed to ``out_dir``. On an exception the temporary folder is removed
+    and any previous ``out_dir`` is left untouched. An existing non-empty ``out_dir`` is refused
+    unless ``overwrite`` is set, in which case it is removed only after the new folder is complete.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        overwrite: bool = False,
+    ) -> None:
+        if max_shard_bytes <= 0:
+            raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self.overwrite = overwrite
+        self._check_target()
+        self._tmp: Path | None = None
+        self._closed = False
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self._sizes: dict[str, int] = {}
+        self._extra_files: set[str] = set()
+
+    def _check_target(self) -> None:
+        out = self.out_dir
+        if out.exists() or out.is_symlink():
+            if not out.is_dir() or out.is_symlink():
+                raise CheckpointError(f"output path {out} exists and is not a plain folder (file or symlink)")
+            if not self.overwrite and _dir_is_nonempty(out):
+                raise CheckpointError(f"output folder {out} exists and is not empty; pass overwrite=True to replace it")
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Temporary folder being written (only inside the ``with`` block)."""
+        self._require_open()
+        return cast(Path, self._tmp)
+
+    def _require_open(self) -> None:
+        if self._tmp is None or self._closed:
+            raise CheckpointError(f"CheckpointWriter for {self.out_dir} is not open; use it as a context manager")
+
+    def __enter__(self) -> CheckpointWriter:
+        if self._tmp is not None:
+            raise CheckpointError(f"CheckpointWriter for {self.out_dir} cannot be entered twice")
+        self._check_target()
+        parent = self.out_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-{os.getpid()}-", dir=parent))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+
+    # -- tensors -----------------------------------------------------------------------------
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; a shard is written when the buffer would exceed ``max_shard_bytes``.
+
+        The tensor is copied to contiguous CPU memory, so later in-place changes by the caller do
+        not affect what is written.
+        """
+        self._require_open()
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"tensor name must be a non-empty string, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if name in self._sizes:
+            raise CheckpointError(f"tensor {name!r} was already added to {self.out_dir}")
+        if not _safetensors_supports(tensor.dtype):
+            raise CheckpointError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors")
+        src = tensor.detach()
+        cpu = src.to("cpu").contiguous()
+        if cpu.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and cpu.device == src.device:
+            cpu = cpu.clone()
+        nbytes = cpu.numel() * cpu.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = cpu
+        self._buffer_bytes += nbytes
+        self._sizes[name] = nbytes
+
+    def add_many(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """`add` every item of ``tensors`` in iteration order."""
+        for name, tensor in tensors.items():
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        tmp_name = f"shard-{len(self._shards) + 1:05d}.safetensors.part"
+        path = self.tmp_dir / tmp_name
+        try:
+            _st_save_file(self._buffer, str(path), metadata={"format": "pt"})
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot write shard with tensors {sorted(self._buffer)[:5]}: {exc}") from exc
+        self._shards.append((tmp_name, list(self._buffer)))
+        self._buffer = {}
+        self._buffer_bytes = 0
+
+    # -- auxiliary files ---------------------------------------------------------------------
+
+    def _aux_target(self, name: str | PurePosixPath) -> PurePosixPath:
+        rel = PurePosixPath(str(name).replace("\\", "/"))
+        if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") for p in rel.parts):
+            raise CheckpointError(f"file name {str(name)!r} must be a relative path inside {self.out_dir}")
+        lowered = rel.name.lower()
+        if len(rel.parts) == 1 and (lowered == INDEX_NAME or lowered.endswith(".safetensors")):
+            raise CheckpointError(f"file name {str(name)!r} is reserved for weights written by CheckpointWriter")
+        return rel
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """Write ``obj`` as JSON (indent 2, key order kept) to ``name`` inside the output folder."""
+        rel = self._aux_target(name)
+        path = self.tmp_dir.joinpath(*rel.parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            text = json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{name}: object is not JSON serialisable: {exc}") from exc
+        path.write_text(text + "\n", encoding="utf-8")
+        self._extra_files.add(rel.as_posix())
+        return self.out_dir.joinpath(*rel.parts)
+
+    def copy_aux(self, src_dir: str | Path) -> list[str]:
+        """Copy every non-weight file of checkpoint folder ``src_dir`` into the output.
+
+        Copies tokenizer files, generation config, remote-code ``*.py`` files, templates, README
+        and anything else, recursing into sub-folders; skips weights (``*.safetensors``, ``*.bin``,
+        ``*.pt``, ``*.pth`` and other weight formats), weight indexes, the top-level
+        ``config.json`` and hidden entries (names starting with ``.``). Files are only copied,
+        never imported or run. Files already written with `write_json` are not replaced. Returns
+        the copied relative paths, sorted.
+        """
+        src = Path(src_dir)
+        if not src.is_dir():
+            raise CheckpointError(f"auxiliary source folder {src} does not exist or is not a folder")
+        tmp = self.tmp_dir
+        copied: list[str] = []
+        seen_dirs: set[Path] = set()
+
+        def walk(folder: Path, rel_parent: PurePosixPath) -> None:
+            real = folder.resolve()
+            if real in seen_dirs:
+                return
+            seen_dirs.add(real)
+            for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+                if entry.name.startswith("."):
+                    continue
+                rel = rel_parent / entry.name
+                if entry.is_dir():
+                    walk(entry, rel)
+                    continue
+                if not entry.is_file():
+                    continue
+                if _is_weight_file(rel) or rel.as_posix() == CONFIG_NAME:
+                    continue
+                if rel.as_posix() in self._extra_files:
+                    continue
+                dest = tmp.joinpath(*rel.parts)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    shutil.copyfile(entry, dest)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot copy {entry} to the output: {exc}") from exc
+                copied.append(rel.as_posix())
+
+        walk(src, PurePosixPath())
+        return sorted(copied)
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        tmp = self.tmp_dir
+        self._flush()
+        if not self._shards:
+            raise CheckpointError(f"no tensors were added to the checkpoint for {self.out_dir}")
+        if len(self._shards) == 1:
+            tmp_name, _ = self._shards[0]
+            os.replace(tmp / tmp_name, tmp / SINGLE_FILE_NAME)
+        else:
+            count = len(self._shards)
+            weight_map: dict[str, str] = {}
+            for i, (tmp_name, names) in enumerate(self._shards, start=1):
+                final = f"model-{i:05d}-of-{count:05d}.safetensors"
+                os.replace(tmp / tmp_name, tmp / final)
+                for name in names:
+                    weight_map[name] = final
+            index = {
+                "metadata": {"total_size": sum(self._sizes.values())},
+                "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
+            }
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        self._move_into_place(tmp)
+        self._closed = True
+
+    def _move_into_place(self, tmp: Path) -> None:
+        out = self.out_dir
+        if out.exists() or out.is_symlink():
+            self._check_target()  # the folder may have appeared after the writer was created
+            backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+            backup.rmdir()
+            os.replace(out, backup)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(backup, out)
+                raise
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+
+    def abort(self) -> None:
+        """Discard everything written so far; the output folder is not touched."""
+        if self._tmp is not None and not self._closed:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._buffer = {}
+        self._buffer_bytes = 0
+        self._closed = True
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the byte sizes of all tensors added so far."""
+        return sum(self._sizes.values())
+
+
+def save_state_dict(
+    state: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    config: Mapping[str, Any],
+    *,
+    aux_from: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``state`` and ``config.json`` (plus auxiliary files of ``aux_from``) to ``out_dir``."""
+    with CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
+        writer.write_json(CONFIG_NAME, dict(config))
+        if aux_from is not None:
+            writer.copy_aux(aux_from)
+        writer.add_many(state)
+    return Path(out_dir)

@@ -1,0 +1,197 @@
+"""Simple GLA (decayed linear attention) reference in plain PyTorch.
+
+Layout follows fla: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, state ``[B, H, K, V]``.
+``g_gamma: [H]`` is a per-head log decay (``<= 0``). Per head, with ``S_0`` the initial state
+(zeros if not given)::
+
+    S_t = exp(g) * S_{t-1} + k_t v_t^T
+    o_t = scale * q_t^T S_t
+
+All math runs in fp32. Outputs ``o: [B, T, H, V]`` and the final state are fp32.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "RECURRENT_MAX_LEN",
+    "alibi_slopes",
+    "chunk_gla",
+    "naive_recurrent_gla",
+    "recurrent_gla",
+    "simple_gla",
+]
+
+RECURRENT_MAX_LEN = 64
+"""``simple_gla`` uses the recurrent form for ``T < RECURRENT_MAX_LEN`` and the chunk form otherwise."""
+
+
+def _slopes_power_of_two(n: int) -> list[float]:
+    # start = 2 ** (-(2 ** -(log2(n) - 3))); slope_i = start ** (i + 1)
+    log2_start = -(2.0 ** -(math.log2(n) - 3))
+    return [2.0 ** (log2_start * (i + 1)) for i in range(n)]
+
+
+def _slopes(n: int) -> list[float]:
+    if math.log2(n).is_integer():
+        return _slopes_power_of_two(n)
+    closest = 2 ** math.floor(math.log2(n))
+    extra = _slopes(2 * closest)[0::2][: n - closest]
+    return _slopes_power_of_two(closest) + extra
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi slopes ``[H]`` (fp32, positive); SALA uses ``g_gamma = -alibi_slopes(H)``.
+
+    Power-of-two ``H``: ``slope_h = start ** (h + 1)`` with ``start = 2 ** (-(2 ** -(log2(H) - 3)))``.
+    Otherwise the slopes of the closest lower power of two ``P`` are followed by the first ``H - P``
+    even-indexed slopes of ``2P``.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    return torch.tensor(_slopes(num_heads), dtype=torch.float32)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k [B, T, H, K] and v [B, T, H, V]; got {q.shape}, {k.shape}, {v.shape}")
+    b, _, h, dk = q.shape
+    if g_gamma.shape != (h,):
+        raise ValueError(f"g_gamma must have shape [{h}], got {tuple(g_gamma.shape)}")
+    if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
+        raise ValueError(
+            f"initial_state must have shape [{b}, {h}, {dk}, {v.shape[-1]}], got {tuple(initial_state.shape)}"
+        )
+
+
+def naive_recurrent_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Literal token-by-token recurrence, one (batch, head) pair at a time. Test oracle."""
+    _check_inputs(q, k, v, g_gamma, initial_state)
+    b_size, t_size, h_size, dk = q.shape
+    dv = v.shape[-1]
+    o = torch.zeros(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
+    final = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
+    for b in range(b_size):
+        for h in range(h_size):
+            decay = math.exp(float(g_gamma[h]))
+            if initial_state is None:
+                s = torch.zeros(dk, dv, dtype=torch.float32, device=q.device)
+            else:
+                s = initial_state[b, h].float().clone()
+            for t in range(t_size):
+                q_t = q[b, t, h].float()
+                k_t = k[b, t, h].float()
+                v_t = v[b, t, h].float()
+                s = decay * s + torch.outer(k_t, v_t)
+                o[b, t, h] = scale * (q_t @ s)
+            final[b, h] = s
+    return o, (final if output_final_state else None)
+
+
+def recurrent_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Recurrent (decode) form: loop over T, vectorised over batch and heads."""
+    _check_inputs(q, k, v, g_gamma, initial_state)
+    b_size, t_size, h_size, dk = q.shape
+    dv = v.shape[-1]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    decay = torch.exp(g_gamma.float().to(q.device)).view(1, h_size, 1, 1)
+    if initial_state is None:
+        s = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
+    else:
+        s = initial_state.float().clone()
+    o = torch.empty(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
+    for t in range(t_size):
+        s = decay * s + kf[:, t, :, :, None] * vf[:, t, :, None, :]
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], s)
+    return o, (s if output_final_state else None)
+
+
+def chunk_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked (prefill) form.
+
+    Within a chunk of length ``L`` (the last one may be shorter), with ``h`` the state at the chunk
+    start and ``i, j`` chunk-local positions::
+
+        o_i    = scale * sum_{j <= i} exp(g (i - j)) (q_i . k_j) v_j + scale * exp(g (i + 1)) q_i^T h
+        h_next = exp(g L) h + sum_j exp(g (L - 1 - j)) k_j v_j^T
+
+    Every decay factor is ``exp`` of a non-positive number, so nothing overflows.
+    """
+    _check_inputs(q, k, v, g_gamma, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    b_size, t_size, h_size, dk = q.shape
+    dv = v.shape[-1]
+    device = q.device
+    # [B, H, T, D] in fp32
+    qf = q.float().transpose(1, 2)
+    kf = k.float().transpose(1, 2)
+    vf = v.float().transpose(1, 2)
+    g = g_gamma.float().to(device).view(h_size, 1, 1)
+    if initial_state is None:
+        state = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=device)
+    else:
+        state = initial_state.float().clone()
+    o = torch.empty(b_size, h_size, t_size, dv, dtype=torch.float32, device=device)
+
+    for start in range(0, t_size, chunk_size):
+        length = min(chunk_size, t_size - start)
+        pos = torch.arange(length, dtype=torch.float32, device=device)
+        diff = pos[:, None] - pos[None, :]  # i - j
+        causal = diff >= 0
+        # [H, L, L]: exp(g (i - j)) for j <= i, else 0
+        intra_decay = torch.where(causal, torch.exp(g * diff.clamp(min=0.0)), 0.0)
+        q_decay = torch.exp(g * (pos + 1.0).view(1, length, 1))  # [H, L, 1]
+        k_decay = torch.exp(g * (length - 1.0 - pos).view(1, length, 1))  # [H, L, 1]
+        chunk_decay = torch.exp(g * float(length)).view(1, h_size, 1, 1)
+
+        qc = qf[:, :, start : start + length]
+        kc = kf[:, :, start : start + length]
+        vc = vf[:, :, start : start + length]
+        attn = (qc @ kc.transpose(-1, -2)) * intra_decay
+        o[:, :, start : start + length] = scale * (attn @ vc + (qc * q_decay) @ state)
+        state = chunk_decay * state + (kc * k_decay).transpose(-1, -2) @ vc
+
+    return o.transpose(1, 2).contiguous(), (state if output_final_state else None)
+
+
+def simple_gla(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise."""
+    if q.shape[1] < RECURRENT_MAX_LEN:
+        return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    return chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)

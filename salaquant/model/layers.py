@@ -1,0 +1,66 @@
+"""Building blocks shared by both MiniCPM-SALA layer types: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as SALA computes it: fp32 variance, normalise, cast back, then multiply by the weight."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        return (xf * torch.rsqrt(variance + self.eps)).to(dtype) * self.weight
+
+
+class MLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, linear_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [..., T, head_dim] for the given positions only (no 524288-long tables).
+
+    NeoX layout: the frequency vector is repeated twice, matching ``rotate_half``.
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
+    t = positions.to(torch.float32) / linear_factor
+    freqs = t[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by cos/sin [T, D] (or [B, T, D]) in fp32, cast back to x's dtype."""
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.to(torch.float32)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

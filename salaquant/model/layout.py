@@ -1,0 +1,102 @@
+"""Declarative description of every tensor of a MiniCPM-SALA checkpoint, per layer type.
+
+One table, read by the model builder, the tiny-model writer, ``inspect``, checkpoint validation and
+(later) smoothing, quantizers and export. Names are the real checkpoint's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import LIGHTNING, SPARSE, SalaConfig
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A linear layer inside a decoder layer: ``name`` is relative to ``model.layers.{i}.``."""
+
+    name: str
+    out_features: int
+    in_features: int
+
+
+def layer_linears(config: SalaConfig, kind: str) -> list[LinearSpec]:
+    """The linears of one decoder layer of the given mixer kind, in execution order."""
+    h, inter = config.hidden_size, config.intermediate_size
+    if kind == SPARSE:
+        qd = config.num_attention_heads * config.head_dim
+        kvd = config.num_key_value_heads * config.head_dim
+        attn = [
+            LinearSpec("self_attn.q_proj", qd, h),
+            LinearSpec("self_attn.k_proj", kvd, h),
+            LinearSpec("self_attn.v_proj", kvd, h),
+        ]
+        if config.attn_use_output_gate:
+            attn.append(LinearSpec("self_attn.o_gate", qd, h))
+        attn.append(LinearSpec("self_attn.o_proj", h, qd))
+    elif kind == LIGHTNING:
+        qd = config.lightning_nh * config.lightning_head_dim
+        kvd = config.lightning_nkv * config.lightning_head_dim
+        attn = [
+            LinearSpec("self_attn.q_proj", qd, h),
+            LinearSpec("self_attn.k_proj", kvd, h),
+            LinearSpec("self_attn.v_proj", kvd, h),
+        ]
+        if config.use_output_gate:
+            attn.append(LinearSpec("self_attn.z_proj", qd, h))
+        attn.append(LinearSpec("self_attn.o_proj", h, qd))
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    mlp = [
+        LinearSpec("mlp.gate_proj", inter, h),
+        LinearSpec("mlp.up_proj", inter, h),
+        LinearSpec("mlp.down_proj", h, inter),
+    ]
+    return attn + mlp
+
+
+def layer_norms(config: SalaConfig, kind: str) -> dict[str, int]:
+    """Norm weights of one decoder layer (relative name -> size)."""
+    h = config.hidden_size
+    norms = {"input_layernorm": h, "post_attention_layernorm": h}
+    if kind == LIGHTNING:
+        if config.qk_norm:
+            norms["self_attn.q_norm"] = config.lightning_head_dim
+            norms["self_attn.k_norm"] = config.lightning_head_dim
+        if config.use_output_norm:
+            norms["self_attn.o_norm"] = config.lightning_nh * config.lightning_head_dim
+    return norms
+
+
+def layer_parameter_shapes(config: SalaConfig, index: int) -> dict[str, tuple[int, ...]]:
+    """Full tensor names and shapes of decoder layer ``index``."""
+    kind = config.mixer_types[index]
+    prefix = f"model.layers.{index}."
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, size in layer_norms(config, kind).items():
+        shapes[f"{prefix}{name}.weight"] = (size,)
+    for spec in layer_linears(config, kind):
+        shapes[f"{prefix}{spec.name}.weight"] = (spec.out_features, spec.in_features)
+    return shapes
+
+
+def global_parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, in file order (embeddings, layers, final norm, lm_head)."""
+    glob = global_parameter_shapes(config)
+    shapes = {"model.embed_tokens.weight": glob["model.embed_tokens.weight"]}
+    for i in range(config.num_hidden_layers):
+        shapes.update(layer_parameter_shapes(config, i))
+    shapes["model.norm.weight"] = glob["model.norm.weight"]
+    if "lm_head.weight" in glob:
+        shapes["lm_head.weight"] = glob["lm_head.weight"]
+    return shapes

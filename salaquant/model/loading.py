@@ -1,0 +1,122 @@
+"""Build SALA modules from a checkpoint folder: the whole model, or one decoder layer at a time."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, CheckpointReader
+from .config import SalaConfig
+from .layout import global_parameter_shapes, layer_parameter_shapes, parameter_shapes
+from .modeling import DecoderLayer, SalaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _fill(
+    module: nn.Module,
+    prefix: str,
+    reader: CheckpointReader,
+    shapes: dict[str, tuple[int, ...]],
+    device: torch.device | str,
+    dtype: torch.dtype | None,
+) -> None:
+    """Copy every parameter of ``module`` (named ``prefix + name``) from the checkpoint, shape-checked."""
+    state: dict[str, torch.Tensor] = {}
+    for name, _ in module.named_parameters(remove_duplicate=True):
+        full = prefix + name
+        if full not in shapes:
+            raise CheckpointError(f"internal: module parameter {full} has no entry in the SALA layout")
+        tensor = reader.get_checked(full, shapes[full])
+        state[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+    for name in module.state_dict():  # tied parameters appear once above, twice in the state dict
+        if name not in state and name == "lm_head.weight":
+            state[name] = state["model.embed_tokens.weight"]
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def _check_keys(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+    keys = set(reader.keys())
+    missing = [k for k in expected if k not in keys]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{reader.path}: tensors missing from the checkpoint: {missing[:5]}{more}")
+    extra = sorted(keys - set(expected))
+    if extra:
+        log.warning("%s: %d tensors not used by the SALA model, e.g. %s", reader.path, len(extra), extra[:3])
+
+
+def load_model(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype | None = None,
+    reader: CheckpointReader | None = None,
+) -> SalaForCausalLM:
+    """Load a whole bf16 SALA checkpoint into ``SalaForCausalLM`` (weights keep their stored dtype unless
+    ``dtype`` is given)."""
+    reader = reader or CheckpointReader(path)
+    config = SalaConfig.from_dict(reader.config())
+    shapes = parameter_shapes(config)
+    _check_keys(reader, shapes)
+    with torch.device("meta"):
+        model = SalaForCausalLM(config)
+    _fill(model, "", reader, shapes, device, resolve_dtype(dtype))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_layer(
+    reader: CheckpointReader,
+    config: SalaConfig,
+    index: int,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> DecoderLayer:
+    """Load decoder layer ``index`` only (the calibration engine's unit of work)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config, index)
+    _fill(
+        layer,
+        f"model.layers.{index}.",
+        reader,
+        layer_parameter_shapes(config, index),
+        device,
+        resolve_dtype(dtype),
+    )
+    return layer.eval().requires_grad_(False)
+
+
+def load_global(
+    reader: CheckpointReader,
+    config: SalaConfig,
+    name: str,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> torch.Tensor:
+    """One of the non-layer tensors (embeddings, final norm, lm_head), shape-checked."""
+    shapes = global_parameter_shapes(config)
+    if name not in shapes:
+        raise CheckpointError(f"{name} is not a global tensor of a SALA checkpoint ({sorted(shapes)})")
+    tensor = reader.get_checked(name, shapes[name])
+    return tensor.to(device=device, dtype=resolve_dtype(dtype) or tensor.dtype)

@@ -1,0 +1,151 @@
+"""MiniCPM-SALA decoder: one definition used by calibration, the runtime, eval and the transformers wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import LightningAttention, SparseAttention
+from .cache import SalaCache
+from .config import ATTENTION_MODES, LIGHTNING, SalaConfig
+from .layers import MLP, RMSNorm, rope_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; each branch output is multiplied by scale_depth / sqrt(num_layers) before the add."""
+
+    def __init__(self, config: SalaConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.kind = config.mixer_types[index]
+        self.residual_scale = config.residual_scale
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn: LightningAttention | SparseAttention = (
+            LightningAttention(config) if self.kind == LIGHTNING else SparseAttention(config)
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, rope, cache=None, mode: str = "auto") -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), rope, cache, mode)
+        h = h + attn * self.residual_scale
+        return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_scale
+
+
+class SalaModel(nn.Module):
+    """Embeddings, decoder layers and final norm (``model.*`` in the checkpoint)."""
+
+    def __init__(self, config: SalaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def rope_tables(self, start: int, length: int, device: torch.device, kind: str):
+        """cos/sin for positions [start, start+length) of the given layer kind (None when unused)."""
+        cfg = self.config
+        use = cfg.lightning_use_rope if kind == LIGHTNING else cfg.attn_use_rope
+        if not use:
+            return None
+        head_dim = cfg.lightning_head_dim if kind == LIGHTNING else cfg.head_dim
+        factor = float(cfg.rope_scaling.get("factor", 1.0)) if cfg.rope_scaling else 1.0
+        positions = torch.arange(start, start + length, device=device)
+        return rope_cos_sin(positions, head_dim, cfg.rope_theta, factor)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.config.scale_emb
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache: SalaCache | None = None,
+        attention_mode: str = "auto",
+    ) -> torch.Tensor:
+        if attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode {attention_mode!r}: expected one of {ATTENTION_MODES}")
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("pass input_ids or inputs_embeds")
+            inputs_embeds = self.embed(input_ids)
+        h = inputs_embeds
+        start = cache.seen_tokens if cache is not None else 0
+        t = h.shape[1]
+        tables = {kind: self.rope_tables(start, t, h.device, kind) for kind in set(self.config.mixer_types)}
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            h = layer(h, tables[layer.kind], layer_cache, attention_mode)
+        if cache is not None:
+            cache.seen_tokens += t
+        return self.norm(h)
+
+
+@dataclass
+class CausalLMResult:
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    cache: SalaCache | None
+
+
+def lm_logits(config: SalaConfig, lm_head: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of ``lm_head(norm(h) / (hidden_size / dim_model_base))``."""
+    return lm_head(normed / config.logit_divisor).float()
+
+
+def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (labels == -100 ignored)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+class SalaForCausalLM(nn.Module):
+    """Plain-PyTorch causal LM with the checkpoint's tensor names (``model.*``, ``lm_head``)."""
+
+    def __init__(self, config: SalaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = SalaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.attention_mode = "auto"
+
+    def new_cache(self) -> SalaCache:
+        return SalaCache.for_config(self.config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cache: SalaCache | None = None,
+        attention_mode: str | None = None,
+    ) -> CausalLMResult:
+        normed = self.model(input_ids, cache=cache, attention_mode=attention_mode or self.attention_mode)
+        logits = lm_logits(self.config, self.lm_head, normed)
+        loss = shifted_nll(logits, labels) if labels is not None else None
+        return CausalLMResult(logits=logits, loss=loss, cache=cache)
+
+    @torch.no_grad()
+    def greedy(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str | None = None) -> torch.Tensor:
+        """Greedy decoding with the cache: prefill once, then one token per step."""
+        cache = self.new_cache()
+        out = self(input_ids, cache=cache, attention_mode=attention_mode)
+        tokens = [input_ids]
+        for _ in range(max_new_tokens):
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens.append(nxt)
+            out = self(nxt, cache=cache, attention_mode=attention_mode)
+        return torch.cat(tokens, dim=1)
+
+
+def init_weights(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """Normal(0, std) for linears and embeddings, ones for norms (what a random SALA checkpoint holds)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)

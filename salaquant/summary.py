@@ -1,0 +1,107 @@
+"""What ``salaquant inspect`` reports: layer map, parameter counts per layer type, sizes per format."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .model.config import LIGHTNING, SPARSE, SalaConfig
+from .model.layout import global_parameter_shapes, layer_linears, layer_norms
+
+KINDS = (SPARSE, LIGHTNING)
+
+
+def w4a16_bytes(out_features: int, in_features: int, group_size: int = 128) -> int:
+    """GPTQ v1 tensors: qweight int32 [in/8, out], qzeros int32 [groups, out/8], fp16 scales, int32 g_idx."""
+    groups = math.ceil(in_features / group_size) if group_size > 0 else 1
+    return out_features * in_features // 2 + groups * out_features // 2 + groups * out_features * 2 + in_features * 4
+
+
+def nvfp4_bytes(out_features: int, in_features: int) -> int:
+    """ModelOpt NVFP4: uint8 codes [out, in/2], fp8 block scales [out, in/16], fp32 weight_scale_2 and input_scale."""
+    return out_features * in_features // 2 + out_features * math.ceil(in_features / 16) + 8
+
+
+@dataclass
+class KindStats:
+    layers: int = 0
+    attention: int = 0
+    mlp: int = 0
+    norms: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.norms
+
+
+@dataclass
+class ModelSummary:
+    config: SalaConfig
+    kinds: dict[str, KindStats] = field(default_factory=dict)
+    embed: int = 0
+    lm_head: int = 0
+    final_norm: int = 0
+    bf16_bytes: int = 0
+    w4a16_bytes: int = 0
+    nvfp4_default_bytes: int = 0
+    nvfp4_dense_all_bytes: int = 0
+
+    @property
+    def total_params(self) -> int:
+        return sum(k.total for k in self.kinds.values()) + self.embed + self.lm_head + self.final_norm
+
+
+def layer_map(config: SalaConfig) -> list[tuple[str, int, int]]:
+    """Runs of consecutive layers of one kind: (kind, first, last)."""
+    runs: list[tuple[str, int, int]] = []
+    for i, kind in enumerate(config.mixer_types):
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], i)
+        else:
+            runs.append((kind, i, i))
+    return runs
+
+
+def summarize(config: SalaConfig) -> ModelSummary:
+    s = ModelSummary(config=config, kinds={k: KindStats() for k in KINDS})
+    glob = global_parameter_shapes(config)
+    s.embed = math.prod(glob["model.embed_tokens.weight"])
+    s.final_norm = config.hidden_size
+    s.lm_head = math.prod(glob["lm_head.weight"]) if "lm_head.weight" in glob else 0
+    fixed = 2 * (s.embed + s.lm_head + s.final_norm)
+    s.bf16_bytes = s.w4a16_bytes = s.nvfp4_default_bytes = s.nvfp4_dense_all_bytes = fixed
+    for kind in config.mixer_types:
+        st = s.kinds[kind]
+        st.layers += 1
+        norms = sum(layer_norms(config, kind).values())
+        st.norms += norms
+        for b in ("bf16_bytes", "w4a16_bytes", "nvfp4_default_bytes", "nvfp4_dense_all_bytes"):
+            setattr(s, b, getattr(s, b) + 2 * norms)
+        for spec in layer_linears(config, kind):
+            n = spec.out_features * spec.in_features
+            if spec.name.startswith("mlp."):
+                st.mlp += n
+            else:
+                st.attention += n
+            s.bf16_bytes += 2 * n
+            s.w4a16_bytes += w4a16_bytes(spec.out_features, spec.in_features)
+            fp4 = nvfp4_bytes(spec.out_features, spec.in_features)
+            s.nvfp4_dense_all_bytes += fp4
+            keep_bf16 = kind == SPARSE and spec.name.startswith("self_attn.")
+            s.nvfp4_default_bytes += 2 * n if keep_bf16 else fp4
+    return s
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3f}{unit}"
+    return str(n)

@@ -1,0 +1,71 @@
+"""The command line: tiny checkpoints and inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from salaquant.cli import app
+from salaquant.model.config import SalaConfig
+from salaquant.model.tiny import preset_config
+from salaquant.summary import summarize
+
+runner = CliRunner()
+
+
+def test_tiny_then_inspect(tmp_path: Path) -> None:
+    out = tmp_path / "t"
+    res = runner.invoke(app, ["tiny", str(out), "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "minicpm4" in res.output and "lightning" in res.output
+    assert "tensors present with the expected shapes" in res.output
+
+
+def test_tiny_is_deterministic_and_refuses_overwrite(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert runner.invoke(app, ["tiny", str(a), "--seed", "5"]).exit_code == 0
+    assert runner.invoke(app, ["tiny", str(b), "--seed", "5"]).exit_code == 0
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    res = runner.invoke(app, ["tiny", str(a)])
+    assert res.exit_code != 0
+    assert runner.invoke(app, ["tiny", str(a), "--overwrite", "--seed", "6"]).exit_code == 0
+    assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
+
+
+def test_inspect_rejects_non_sala(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    res = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "model_type" in res.output
+
+
+def test_inspect_reports_missing_tensor(tmp_path: Path) -> None:
+    out = tmp_path / "t"
+    assert runner.invoke(app, ["tiny", str(out)]).exit_code == 0
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(out / "model.safetensors")
+    del state["model.layers.1.self_attn.o_norm.weight"]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.exit_code == 2
+    assert "model.layers.1.self_attn.o_norm.weight" in res.output
+
+
+def test_full_shape_parameter_count_and_sizes() -> None:
+    """The real shape totals 9.477B parameters (published as ~9.48B; bf16 checkpoint ~18.95 GB)."""
+    s = summarize(SalaConfig.from_dict(preset_config("full")))
+    assert round(s.total_params / 1e9, 3) == 9.477
+    assert abs(s.bf16_bytes / 1e9 - 18.95) < 0.01
+    # hand count: 8 sparse layers x (q 4096^2 + k,v 256x4096 + o 4096^2 + o_gate 4096^2)
+    assert s.kinds["minicpm4"].attention == 8 * (3 * 4096 * 4096 + 2 * 256 * 4096)
+    assert s.kinds["lightning"].attention == 24 * 5 * 4096 * 4096
+    assert s.kinds["lightning"].mlp == 24 * 3 * 4096 * 16384
+    # W4A16: a 4096x4096 linear is 8 MiB of int4 + 32 groups x 4096 fp16 scales + qzeros + g_idx
+    assert s.w4a16_bytes < 0.33 * s.bf16_bytes
+    assert s.nvfp4_dense_all_bytes < s.nvfp4_default_bytes < s.bf16_bytes

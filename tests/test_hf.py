@@ -1,0 +1,77 @@
+"""transformers registration: AutoConfig / AutoModelForCausalLM load a SALA checkpoint without remote code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import salaquant.model.hf  # noqa: F401  (registers the Auto classes)
+from salaquant.model.loading import load_model
+
+
+@pytest.fixture()
+def ckpt_with_auto_map(tiny_ckpt: Path, tmp_path: Path) -> Path:
+    """The published config carries an auto_map pointing at remote code we never import."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {
+        "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
+        "AutoModelForCausalLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_auto_model_loads_and_matches_loader(ckpt_with_auto_map: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt_with_auto_map)
+    assert config.model_type == "minicpm_sala"
+    hf = AutoModelForCausalLM.from_pretrained(ckpt_with_auto_map, dtype=torch.float32)
+    assert type(hf).__name__ == "MiniCPMSALAForCausalLM"
+    ours = load_model(ckpt_with_auto_map, dtype="fp32")
+    ids = torch.randint(0, 264, (1, 80))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, ours(ids).logits)
+        # generate() (greedy, with the SALA cache) equals the loader's token-by-token greedy decode
+        gen = hf.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(gen, ours.greedy(ids, 12))
+
+
+def test_auto_tokenizer_and_generate(tiny_ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt)
+    assert model.dtype == torch.bfloat16
+    enc = tok("The quick brown fox", return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, enc.input_ids.shape[1] + 5)
+    assert isinstance(tok.decode(out[0]), str)
+
+
+def test_loss_matches_manual_cross_entropy(tiny_ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    ids = torch.randint(0, 264, (1, 20))
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    manual = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
+    assert torch.allclose(out.loss, manual)
+
+
+def test_padded_batch_refused(tiny_ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt)
+    ids = torch.randint(0, 264, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with pytest.raises(ValueError, match="padded"):
+        model(ids, attention_mask=mask)
