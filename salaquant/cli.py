@@ -176,6 +176,50 @@ def inspect(
             fail(str(exc))
 
 
+@app.command()
+def calibrate(
+    input: Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the statistics.")],
+    calib: Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")],
+    max_samples: Annotated[int | None, typer.Option(help="Keep at most this many samples.")] = None,
+    max_len: Annotated[int, typer.Option(help="Truncate samples to this many tokens.")] = 131072,
+    min_len: Annotated[int, typer.Option(help="Drop samples shorter than this.")] = 1,
+    shuffle: Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")] = False,
+    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
+    field: Annotated[str | None, typer.Option(help="Record field holding the text.")] = None,
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk for long samples.")] = 8192,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
+    hessian_dtype: Annotated[str, typer.Option(help="fp32 or fp64 accumulation.")] = "fp32",
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+) -> None:
+    """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
+    from .calibrate_command import run_calibrate
+
+    try:
+        run_calibrate(
+            input,
+            output,
+            calib,
+            max_samples=max_samples,
+            max_len=max_len,
+            min_len=min_len,
+            shuffle=shuffle,
+            seed=seed,
+            field=field,
+            chunk_tokens=chunk_tokens,
+            device=device,
+            hessian=hessian,
+            hessian_dtype=hessian_dtype,
+            resume=resume,
+            overwrite=overwrite,
+            console=console,
+        )
+    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
 def main() -> None:
     try:
         app()

@@ -28,3 +28,10 @@ def tiny_ckpt_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint stored in fp32, for comparisons that bf16 rounding would blur."""
+    out = tmp_path_factory.mktemp("ckpt") / "tiny_fp32"
+    return write_random_checkpoint(out, preset_config("tiny"), seed=1, std=0.05, dtype=torch.float32)

@@ -69,3 +69,45 @@ def test_full_shape_parameter_count_and_sizes() -> None:
     # W4A16: a 4096x4096 linear is 8 MiB of int4 + 32 groups x 4096 fp16 scales + qzeros + g_idx
     assert s.w4a16_bytes < 0.33 * s.bf16_bytes
     assert s.nvfp4_dense_all_bytes < s.nvfp4_default_bytes < s.bf16_bytes
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "sala-tiny"
+CALIB = Path(__file__).resolve().parents[1] / "calib" / "sala-tiny-calib.jsonl"
+
+
+def test_calibrate_writes_statistics(tmp_path: Path) -> None:
+    out = tmp_path / "stats"
+    args = [
+        "calibrate",
+        "-i",
+        str(SHIPPED),
+        "-o",
+        str(out),
+        "--calib",
+        str(CALIB),
+        "--max-samples",
+        "2",
+        "--max-len",
+        "300",
+        "--device",
+        "cpu",
+    ]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["calibration"]["samples"] == 2 and report["tokens"] == 600
+    assert len(report["layers"]) == 8 and (out / "layers" / "007.safetensors").exists()
+    assert not (tmp_path / "stats.work").exists()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+def test_calibrate_bad_inputs(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    res = runner.invoke(app, ["calibrate", "-i", str(SHIPPED), "-o", str(tmp_path / "o"), "--calib", str(bad)])
+    assert res.exit_code == 2 and "bad.jsonl:2" in res.output
+    res = runner.invoke(
+        app, ["calibrate", "-i", str(SHIPPED), "-o", str(tmp_path / "o"), "--calib", str(CALIB), "--resume"]
+    )
+    assert res.exit_code == 2 and "no work folder" in res.output

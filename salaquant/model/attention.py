@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .cache import LightningLayerCache, SparseLayerCache
 from .config import SalaConfig
@@ -23,21 +24,21 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention. q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; queries are the last Tq positions."""
+    """Causal GQA attention. q [B, Tq, Hq, D]; k, v [B, Tk, Hkv, D]; queries are the last Tq positions.
+
+    Chunked prefill (1 < Tq < Tk) uses a lower-right-aligned causal bias, which SDPA runs without
+    materialising a [Tq, Tk] mask; K/V are never repeated across the query heads of a group.
+    """
     tq, tk = q.shape[1], k.shape[1]
-    group = q.shape[2] // k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if group > 1:
-        kh = kh.repeat_interleave(group, dim=1)
-        vh = vh.repeat_interleave(group, dim=1)
+    gqa = q.shape[2] != k.shape[2]
     if tq == tk:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     elif tq == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
-        q_pos = torch.arange(tk - tq, tk, device=q.device)
-        mask = torch.arange(tk, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        bias = causal_lower_right(tq, tk)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 

@@ -100,3 +100,47 @@ def parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
     if "lm_head.weight" in glob:
         shapes["lm_head.weight"] = glob["lm_head.weight"]
     return shapes
+
+
+@dataclass(frozen=True)
+class InputGroup:
+    """Linears of one decoder layer that read the same input tensor (so share one Hessian).
+
+    ``source`` names what produces that input: a norm (``input_layernorm``, ``self_attn.o_norm``,
+    ``post_attention_layernorm``), ``attention`` (the gated attention output of minicpm4 layers, which no
+    norm precedes) or ``mlp.up_proj`` (the down_proj input is act(gate) * up, scaled per channel by up's rows).
+    ``fused`` is the name serving engines give the fused parameter, when they fuse the group's members.
+    """
+
+    name: str
+    source: str
+    members: tuple[str, ...]
+    fused: str | None = None
+
+
+def input_groups(config: SalaConfig, kind: str) -> list[InputGroup]:
+    """The input groups of a layer of the given kind, in execution order."""
+    if kind == SPARSE:
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        first = qkv + (("self_attn.o_gate",) if config.attn_use_output_gate else ())
+        o_source = "attention"
+    elif kind == LIGHTNING:
+        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        first = qkv + (("self_attn.z_proj",) if config.use_output_gate else ())
+        o_source = "self_attn.o_norm" if config.use_output_norm else "attention"
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}")
+    return [
+        InputGroup("attn_in", "input_layernorm", first),
+        InputGroup("attn_out", o_source, ("self_attn.o_proj",)),
+        InputGroup("mlp_in", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        InputGroup("mlp_out", "mlp.up_proj", ("mlp.down_proj",)),
+    ]
+
+
+# Fused parameters of the serving engines (vLLM / SGLang stacked_params_mapping): members must share
+# precision, bits and group size, and NVFP4 global scales.
+FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}

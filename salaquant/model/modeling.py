@@ -14,6 +14,17 @@ from .config import ATTENTION_MODES, LIGHTNING, SalaConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
 
 
+def layer_rope(config: SalaConfig, kind: str, start: int, length: int, device: torch.device | str):
+    """cos/sin for positions [start, start+length) of layers of the given kind (None when they use no RoPE)."""
+    use = config.lightning_use_rope if kind == LIGHTNING else config.attn_use_rope
+    if not use:
+        return None
+    head_dim = config.lightning_head_dim if kind == LIGHTNING else config.head_dim
+    factor = float(config.rope_scaling.get("factor", 1.0)) if config.rope_scaling else 1.0
+    positions = torch.arange(start, start + length, device=device)
+    return rope_cos_sin(positions, head_dim, config.rope_theta, factor)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; each branch output is multiplied by scale_depth / sqrt(num_layers) before the add."""
 
@@ -46,15 +57,7 @@ class SalaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def rope_tables(self, start: int, length: int, device: torch.device, kind: str):
-        """cos/sin for positions [start, start+length) of the given layer kind (None when unused)."""
-        cfg = self.config
-        use = cfg.lightning_use_rope if kind == LIGHTNING else cfg.attn_use_rope
-        if not use:
-            return None
-        head_dim = cfg.lightning_head_dim if kind == LIGHTNING else cfg.head_dim
-        factor = float(cfg.rope_scaling.get("factor", 1.0)) if cfg.rope_scaling else 1.0
-        positions = torch.arange(start, start + length, device=device)
-        return rope_cos_sin(positions, head_dim, cfg.rope_theta, factor)
+        return layer_rope(self.config, kind, start, length, device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.config.scale_emb

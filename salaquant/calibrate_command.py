@@ -1,0 +1,118 @@
+"""``salaquant calibrate``: calibration data -> engine (statistics only) -> per-layer statistics folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .calibration import CalibOptions, load_calibration
+from .pipeline import CalibrationEngine, EngineOptions
+
+
+def load_tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from .model import hf  # noqa: F401  (AutoTokenizer reads config.json)
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def check_output(output: Path, overwrite: bool, resume: bool) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+        raise ValueError(f"{output} exists and is not empty: pass --overwrite to replace it")
+    if resume and not Path(f"{output}.work").exists():
+        raise ValueError(f"--resume: no work folder {output}.work to resume from")
+
+
+def run_calibrate(
+    model: Path,
+    output: Path,
+    sources: list[str],
+    *,
+    max_samples: int | None,
+    max_len: int,
+    min_len: int,
+    shuffle: bool,
+    seed: int,
+    field: str | None,
+    chunk_tokens: int,
+    device: str,
+    hessian: bool,
+    hessian_dtype: str,
+    resume: bool,
+    overwrite: bool,
+    console: Console,
+) -> Path:
+    check_output(output, overwrite, resume)
+    if hessian_dtype not in ("fp32", "fp64"):
+        raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
+    tokenizer = load_tokenizer(model)
+    data = load_calibration(
+        sources,
+        tokenizer,
+        CalibOptions(
+            max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+        ),
+    )
+    data.render_summary(console)
+    work = Path(f"{output}.work")
+    opts = EngineOptions(
+        device=device,
+        chunk_tokens=chunk_tokens,
+        propagate="float",
+        hessian=True,
+        hessian_dtype=hessian_dtype,
+        save_hessians=hessian,
+        lm_head_stats=False,
+    )
+    engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts)
+    result = engine.run(resume=resume)
+
+    table = Table(title="Input statistics (absmax: largest channel / median channel)")
+    for col in ("layer", "kind", "group", "tokens", "max |x|", "outlier ratio"):
+        table.add_column(col, justify="left" if col in ("kind", "group") else "right")
+    layers: list[dict[str, Any]] = []
+    for i in range(result.num_layers):
+        t = result.layer_tensors(i)
+        entry: dict[str, Any] = {"layer": i, "kind": engine.config.mixer_types[i], "groups": {}}
+        for key in sorted(k for k in t if k.endswith(".absmax")):
+            group = key.removesuffix(".absmax")
+            absmax = t[key]
+            ratio = float(absmax.max() / absmax.median().clamp(min=1e-12))
+            entry["groups"][group] = {"max_abs": float(absmax.max()), "outlier_ratio": ratio}
+            table.add_row(
+                str(i),
+                entry["kind"],
+                group,
+                str(int(t[f"{group}.counts"][0])),
+                f"{float(absmax.max()):.3g}",
+                f"{ratio:.1f}",
+            )
+        layers.append(entry)
+    console.print(table)
+
+    tmp = Path(f"{output}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copytree(work / "layers", tmp / "layers")
+    shutil.copy(work / "log.txt", tmp / "log.txt")
+    report = {
+        "model": str(model),
+        "calibration": data.summary(),
+        "engine": opts.fingerprint_fields(),
+        "timings_s": result.timings,
+        "tokens": result.tokens,
+        "layers": layers,
+    }
+    (tmp / "calibration.json").write_text(json.dumps(report, indent=2, default=str))
+    if output.exists():
+        shutil.rmtree(output)
+    tmp.rename(output)
+    shutil.rmtree(work)
+    console.print(f"statistics of {result.num_layers} layers written to [bold]{output}[/]")
+    return output

@@ -1,0 +1,410 @@
+"""The calibration engine: the model runs layer by layer over the calibration set in bounded memory.
+
+For every decoder layer i: load layer i alone onto the compute device, run every sample through it
+(minicpm4 layers in forced-dense attention, long samples in token chunks with the layer's KV cache or
+GLA state carried between chunks), collect the statistics of each input group, hand the layer and its
+statistics to the quantizer, then propagate the samples through the layer the quantizer returns (or
+through the float layer). Hidden states stay in CPU memory between layers. Each finished layer is
+recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
+resumes after the last finished layer and produces the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .calibration import samples_fingerprint
+from .model.cache import LightningLayerCache, SparseLayerCache
+from .model.checkpoint import CheckpointReader
+from .model.config import LIGHTNING, SalaConfig
+from .model.layers import RMSNorm
+from .model.layout import InputGroup, input_groups
+from .model.loading import load_global, load_layer
+from .model.modeling import DecoderLayer, layer_rope
+from .stats import GroupStats, LayerStats
+
+log = logging.getLogger("salaquant.pipeline")
+
+LM_HEAD_GROUP = "lm_head"
+
+
+class ResumeError(RuntimeError):
+    """A work folder that cannot be resumed (different model, data or settings)."""
+
+
+@dataclass
+class EngineOptions:
+    """Settings of the calibration engine. Everything here except ``device``, ``show_progress`` and
+    ``pin_memory`` enters the resume fingerprint."""
+
+    device: str = "auto"
+    chunk_tokens: int = 8192
+    attention_mode: str = "dense"
+    propagate: str = "quantized"  # or "float": next layer sees the float layer's outputs
+    hessian: bool = True
+    hessian_dtype: str = "fp32"  # or "fp64"
+    tf32: bool = False  # TF32 tensor cores for the Hessian products (faster, ~1e-3 relative error)
+    lm_head_stats: bool = False
+    save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
+    show_progress: bool = True
+    pin_memory: bool = True
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("device", "show_progress", "pin_memory"):
+            d.pop(key)
+        return d
+
+
+@dataclass
+class LayerResult:
+    """What a quantizer returns for one layer."""
+
+    layer: nn.Module | None  # module to propagate through (None: the float layer)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # persisted in the work folder
+    report: dict[str, Any] = field(default_factory=dict)  # json-able
+
+
+class LayerQuantizer(Protocol):
+    def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult: ...
+
+
+@dataclass
+class EngineResult:
+    work_dir: Path
+    num_layers: int
+    reports: list[dict[str, Any]]
+    lm_head_stats: GroupStats | None
+    timings: dict[str, float]
+    tokens: int
+    layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
+
+    def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
+        path = self.work_dir / "layers" / f"{index:03d}.safetensors"
+        return load_file(path) if path.exists() else {}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def model_fingerprint(reader: CheckpointReader) -> str:
+    """Config, tensor names/shapes/dtypes and shard sizes (not the weight bytes: re-hashing 19 GB per run
+    would cost minutes; a changed checkpoint of identical layout is not detected)."""
+    h = hashlib.sha256(json.dumps(reader.config(), sort_keys=True).encode())
+    for name in reader:
+        h.update(f"{name}:{tuple(reader.shape(name))}:{reader.dtype(name)}".encode())
+    for shard in reader.shard_files():
+        h.update(f"{shard}:{(reader.path / shard).stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_json(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+class _GroupCollector:
+    """Forward pre-hooks on the first member of each input group of one layer."""
+
+    def __init__(self, layer: DecoderLayer, groups: list[InputGroup], device: torch.device, opts: EngineOptions):
+        self.stats: LayerStats = {}
+        self.handles = []
+        dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
+        for g in groups:
+            module = layer.get_submodule(g.members[0])
+            assert isinstance(module, nn.Linear)
+            st = GroupStats(module.in_features, device=device, dtype=dtype, hessian=opts.hessian)
+            self.stats[g.name] = st
+            self.handles.append(module.register_forward_pre_hook(self._hook(st)))
+
+    @staticmethod
+    def _hook(st: GroupStats):
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            st.update(args[0])
+
+        return hook
+
+    def end_sample(self) -> None:
+        for st in self.stats.values():
+            st.end_sample()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class CalibrationEngine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        samples: Sequence[torch.Tensor],
+        work_dir: str | Path,
+        options: EngineOptions | None = None,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        """``samples``: 1-D token-id tensors. ``settings``: the quantizer's own settings (fingerprinted)."""
+        self.reader = CheckpointReader(model_path)
+        self.config = SalaConfig.from_dict(self.reader.config())
+        self.samples = [s.reshape(-1).to(torch.int64) for s in samples]
+        if not self.samples:
+            raise ValueError("no calibration samples")
+        self.work_dir = Path(work_dir)
+        self.opts = options or EngineOptions()
+        if self.opts.propagate not in ("quantized", "float"):
+            raise ValueError(f"propagate must be 'quantized' or 'float', got {self.opts.propagate!r}")
+        if self.opts.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        self.device = resolve_device(self.opts.device)
+        self.settings = settings or {}
+        self.fingerprint = hashlib.sha256(
+            json.dumps(
+                {
+                    "model": model_fingerprint(self.reader),
+                    "data": samples_fingerprint(self.samples),
+                    "engine": self.opts.fingerprint_fields(),
+                    "settings": self.settings,
+                },
+                sort_keys=True,
+                default=str,
+            ).encode()
+        ).hexdigest()
+        self.dtype = self.reader.dtype("model.embed_tokens.weight")
+
+    # ------------------------------------------------------------------ state
+    def _state_path(self) -> Path:
+        return self.work_dir / "state.json"
+
+    def _read_state(self, resume: bool) -> int:
+        """Number of finished layers in the work folder (0 for a fresh run)."""
+        path = self._state_path()
+        if not path.exists():
+            return 0
+        state = json.loads(path.read_text())
+        if not resume:
+            raise ResumeError(
+                f"{self.work_dir} holds an unfinished run ({state.get('finished', 0)} of "
+                f"{state.get('num_layers')} layers done): pass --resume to continue it, or remove the folder"
+            )
+        if state.get("fingerprint") != self.fingerprint:
+            raise ResumeError(
+                f"{self.work_dir} was written for a different model, calibration set or settings "
+                "(fingerprint mismatch); remove it or run with the original inputs"
+            )
+        return int(state["finished"])
+
+    def _write_state(self, finished: int) -> None:
+        _atomic_json(
+            {
+                "fingerprint": self.fingerprint,
+                "finished": finished,
+                "num_layers": self.config.num_hidden_layers,
+                "settings": self.settings,
+            },
+            self._state_path(),
+        )
+
+    # ------------------------------------------------------------------ compute
+    @torch.no_grad()
+    def _run_sample(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """One sample [1, T, hidden] (CPU) through one layer in token chunks; returns CPU output."""
+        cache = LightningLayerCache() if layer.kind == LIGHTNING else SparseLayerCache()
+        t = h.shape[1]
+        out = self._alloc(h)
+        for start in range(0, t, self.opts.chunk_tokens):
+            n = min(self.opts.chunk_tokens, t - start)
+            x = h[:, start : start + n].to(self.device, non_blocking=True)
+            y = layer(x, layer_rope(self.config, layer.kind, start, n, self.device), cache, self.opts.attention_mode)
+            out[:, start : start + n].copy_(y, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out
+
+    def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+        pin = self.opts.pin_memory and self.device.type == "cuda"
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+
+    def _embed(self) -> list[torch.Tensor]:
+        weight = load_global(self.reader, self.config, "model.embed_tokens.weight", self.device)
+        hs = []
+        for ids in self.samples:
+            e = nn.functional.embedding(ids.to(self.device), weight) * self.config.scale_emb
+            buf = self._alloc(e[None])
+            buf.copy_(e[None])
+            hs.append(buf)
+        del weight
+        return hs
+
+    def _save_hidden(self, hs: list[torch.Tensor]) -> None:
+        _atomic_save({f"s{i:06d}": h for i, h in enumerate(hs)}, self.work_dir / "hidden.safetensors")
+
+    def _load_hidden(self) -> list[torch.Tensor]:
+        loaded = load_file(self.work_dir / "hidden.safetensors")
+        hs = []
+        for i in range(len(self.samples)):
+            t = loaded[f"s{i:06d}"]
+            buf = self._alloc(t)
+            buf.copy_(t)
+            hs.append(buf)
+        return hs
+
+    def run(self, quantizer: LayerQuantizer | None = None, resume: bool = False) -> EngineResult:
+        """Run (or resume) the whole model; returns the per-layer reports and where the tensors are."""
+        from .progress import EngineProgress
+
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "layers").mkdir(exist_ok=True)
+        handler = logging.FileHandler(self.work_dir / "log.txt")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        try:
+            return self._run(quantizer, resume, EngineProgress(self.opts.show_progress))
+        finally:
+            log.removeHandler(handler)
+            handler.close()
+
+    def _run(self, quantizer: LayerQuantizer | None, resume: bool, progress) -> EngineResult:
+        cfg = self.config
+        n_layers = cfg.num_hidden_layers
+        total_tokens = sum(s.numel() for s in self.samples)
+        finished = self._read_state(resume)
+        timings = {"embed": 0.0, "load": 0.0, "stats_forward": 0.0, "quantize": 0.0, "propagate": 0.0, "save": 0.0}
+        prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.opts.tf32
+        log.info(
+            "calibration: %d samples, %d tokens, %d layers, device %s, start at layer %d",
+            len(self.samples),
+            total_tokens,
+            n_layers,
+            self.device,
+            finished,
+        )
+        t0 = time.perf_counter()
+        if finished == 0:
+            hs = self._embed()
+            self._write_state(0)
+        else:
+            hs = self._load_hidden()
+        timings["embed"] += time.perf_counter() - t0
+        progress.start(n_layers, len(self.samples), total_tokens, finished)
+        layer_seconds: list[tuple[int, str, float]] = []
+        try:
+            for i in range(finished, n_layers):
+                t_layer = time.perf_counter()
+                hs = self._layer(i, hs, quantizer, progress, timings)
+                layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
+                t0 = time.perf_counter()
+                self._save_hidden(hs)
+                self._write_state(i + 1)
+                timings["save"] += time.perf_counter() - t0
+                progress.layer_done(i)
+            lm_stats = self._lm_head_stats(hs) if self.opts.lm_head_stats else None
+        finally:
+            progress.stop()
+            torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+        reports = []
+        for i in range(n_layers):
+            path = self.work_dir / "layers" / f"{i:03d}.json"
+            reports.append(json.loads(path.read_text()) if path.exists() else {})
+        self.final_hidden = hs
+        return EngineResult(self.work_dir, n_layers, reports, lm_stats, timings, total_tokens, layer_seconds)
+
+    def _layer(
+        self, i: int, hs: list[torch.Tensor], quantizer: LayerQuantizer | None, progress, timings: dict[str, float]
+    ) -> list[torch.Tensor]:
+        cfg = self.config
+        t0 = time.perf_counter()
+        layer = load_layer(self.reader, cfg, i, self.device)
+        timings["load"] += time.perf_counter() - t0
+        groups = input_groups(cfg, layer.kind)
+        need_stats = quantizer is not None or self.opts.hessian
+        float_out: list[torch.Tensor] | None = None
+
+        t0 = time.perf_counter()
+        collector = _GroupCollector(layer, groups, self.device, self.opts) if need_stats else None
+        keep_float = self.opts.propagate == "float" or quantizer is None
+        float_out = [] if keep_float else None
+        progress.phase(i, layer.kind, "statistics")
+        for j, h in enumerate(hs):
+            y = self._run_sample(layer, h)
+            if collector is not None:
+                collector.end_sample()
+            if float_out is not None:
+                float_out.append(y)
+            progress.sample_done(j, h.shape[1])
+        if collector is not None:
+            collector.remove()
+        timings["stats_forward"] += time.perf_counter() - t0
+
+        result = LayerResult(layer=None)
+        if quantizer is not None:
+            t0 = time.perf_counter()
+            progress.phase(i, layer.kind, "quantize")
+            assert collector is not None
+            result = quantizer.quantize_layer(i, layer, collector.stats)
+            timings["quantize"] += time.perf_counter() - t0
+            _atomic_save(
+                result.tensors or {"_empty": torch.zeros(0)}, self.work_dir / "layers" / f"{i:03d}.safetensors"
+            )
+            _atomic_json(result.report, self.work_dir / "layers" / f"{i:03d}.json")
+        elif collector is not None:
+            tensors = {
+                f"{g}.{k}": v
+                for g, st in collector.stats.items()
+                for k, v in st.to_tensors().items()
+                if self.opts.save_hessians or not k.startswith("xtx")
+            }
+            _atomic_save(tensors, self.work_dir / "layers" / f"{i:03d}.safetensors")
+            _atomic_json({"kind": layer.kind}, self.work_dir / "layers" / f"{i:03d}.json")
+
+        if float_out is not None:
+            out = float_out
+        else:
+            t0 = time.perf_counter()
+            progress.phase(i, layer.kind, "propagate")
+            qlayer = result.layer if result.layer is not None else layer
+            out = []
+            for j, h in enumerate(hs):
+                out.append(self._run_sample(qlayer, h))
+                progress.sample_done(j, h.shape[1])
+            timings["propagate"] += time.perf_counter() - t0
+        del layer, result
+        log.info("layer %d (%s) done", i, cfg.mixer_types[i])
+        return out
+
+    @torch.no_grad()
+    def _lm_head_stats(self, hs: list[torch.Tensor]) -> GroupStats:
+        """Statistics of the lm_head input ``norm(h) / (hidden_size / dim_model_base)``."""
+        cfg = self.config
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(self.device)
+        norm.weight.data = load_global(self.reader, cfg, "model.norm.weight", self.device)
+        dtype = torch.float64 if self.opts.hessian_dtype == "fp64" else torch.float32
+        st = GroupStats(cfg.hidden_size, device=self.device, dtype=dtype, hessian=self.opts.hessian)
+        for h in hs:
+            for start in range(0, h.shape[1], self.opts.chunk_tokens):
+                x = h[:, start : start + self.opts.chunk_tokens].to(self.device)
+                st.update(norm(x) / cfg.logit_divisor)
+            st.end_sample()
+        return st

@@ -1,0 +1,106 @@
+"""Per-input-group activation statistics collected during calibration.
+
+For the input X [n, d] of a group (every token of every sample), the accumulator keeps
+``sum X^T X`` (fp32 by default, fp64 optional), ``sum_s X_s^T X_s / n_s`` (the per-sample-normalised
+variant), the per-channel absolute maximum, ``sum x^2`` per channel and the token and sample counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GroupStats:
+    """Statistics of one input group; update with chunks of a sample, then ``end_sample()``."""
+
+    dim: int
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    hessian: bool = True
+    xtx: torch.Tensor | None = None
+    xtx_per_sample: torch.Tensor | None = None
+    absmax: torch.Tensor = field(init=False)
+    sumsq: torch.Tensor = field(init=False)
+    tokens: int = 0
+    samples: int = 0
+    _sample_xtx: torch.Tensor | None = None
+    _sample_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.absmax = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
+        self.sumsq = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+        if self.hessian:
+            self.xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+            self.xtx_per_sample = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+            self._sample_xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Add a chunk of inputs [..., dim] of the current sample."""
+        x2 = x.reshape(-1, self.dim)
+        if x2.shape[0] == 0:
+            return
+        self.absmax = torch.maximum(self.absmax, x2.abs().amax(0).float())
+        xf = x2.to(self.dtype)
+        self.sumsq += xf.pow(2).sum(0).to(torch.float64)
+        if self._sample_xtx is not None:
+            self._sample_xtx.addmm_(xf.T, xf)
+        self._sample_tokens += x2.shape[0]
+
+    def end_sample(self) -> None:
+        """Close the current sample: fold its X^T X into both Hessian sums."""
+        if self._sample_tokens == 0:
+            return
+        if self._sample_xtx is not None and self.xtx is not None and self.xtx_per_sample is not None:
+            self.xtx += self._sample_xtx
+            self.xtx_per_sample.add_(self._sample_xtx, alpha=1.0 / self._sample_tokens)
+            self._sample_xtx.zero_()
+        self.tokens += self._sample_tokens
+        self.samples += 1
+        self._sample_tokens = 0
+
+    # ------------------------------------------------------------------ derived statistics
+    def hessian_mean(self) -> torch.Tensor:
+        """``sum X^T X / tokens`` (every token weighs the same)."""
+        assert self.xtx is not None, "collected without Hessians"
+        return self.xtx / max(1, self.tokens)
+
+    def hessian_per_sample(self) -> torch.Tensor:
+        """``mean over samples of X_s^T X_s / n_s`` (every sample weighs the same)."""
+        assert self.xtx_per_sample is not None, "collected without Hessians"
+        return self.xtx_per_sample / max(1, self.samples)
+
+    def mean_sq(self) -> torch.Tensor:
+        """Per-channel mean of x^2 over all tokens (fp32)."""
+        return (self.sumsq / max(1, self.tokens)).float()
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        out = {
+            "absmax": self.absmax.cpu(),
+            "sumsq": self.sumsq.cpu(),
+            "counts": torch.tensor([self.tokens, self.samples], dtype=torch.int64),
+        }
+        if self.xtx is not None and self.xtx_per_sample is not None:
+            out["xtx"] = self.xtx.cpu()
+            out["xtx_per_sample"] = self.xtx_per_sample.cpu()
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> GroupStats:
+        has_h = "xtx" in t
+        dtype = t["xtx"].dtype if has_h else torch.float32
+        s = cls(dim=t["absmax"].numel(), device=device, dtype=dtype, hessian=False)
+        s.hessian = has_h
+        s.absmax = t["absmax"].to(device)
+        s.sumsq = t["sumsq"].to(device)
+        s.tokens, s.samples = (int(v) for v in t["counts"].tolist())
+        if has_h:
+            s.xtx = t["xtx"].to(device)
+            s.xtx_per_sample = t["xtx_per_sample"].to(device)
+        return s
+
+
+LayerStats = dict[str, GroupStats]

@@ -1,0 +1,182 @@
+"""The calibration engine against plain full-model forwards with hooks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from salaquant.model.config import SalaConfig
+from salaquant.model.layout import input_groups
+from salaquant.model.loading import load_model
+from salaquant.pipeline import CalibrationEngine, EngineOptions, LayerResult, ResumeError
+
+
+def _samples(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 264, (n,), generator=g) for n in lengths]
+
+
+def _opts(**kw) -> EngineOptions:
+    base = {"device": "cpu", "show_progress": False, "hessian_dtype": "fp64"}
+    base.update(kw)
+    return EngineOptions(**base)
+
+
+def _hooked_full_forward(path: Path, samples: list[torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """X^T X of every input group from plain whole-model forwards (dense), accumulated in float64."""
+    model = load_model(path)
+    cfg = model.config
+    acc: dict[tuple[int, str], torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        for g in input_groups(cfg, cfg.mixer_types[i]):
+            key = (i, g.name)
+
+            def hook(_m: nn.Module, args: tuple[torch.Tensor, ...], key=key) -> None:
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                acc[key] = acc.get(key, 0) + x.T @ x
+
+            handles.append(layer.get_submodule(g.members[0]).register_forward_pre_hook(hook))
+    with torch.no_grad():
+        for s in samples:
+            model(s[None], attention_mode="dense")
+    for h in handles:
+        h.remove()
+    return acc
+
+
+def test_hessians_equal_full_forward_hooks(tiny_ckpt: Path, tmp_path: Path) -> None:
+    samples = _samples([50, 300, 17])  # one sample longer than dense_len (256): forced dense
+    expect = _hooked_full_forward(tiny_ckpt, samples)
+    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "w", _opts(propagate="float"))
+    result = engine.run()
+    cfg = SalaConfig.from_file(tiny_ckpt)
+    for i in range(cfg.num_hidden_layers):
+        t = result.layer_tensors(i)
+        for g in input_groups(cfg, cfg.mixer_types[i]):
+            got = t[f"{g.name}.xtx"]
+            ref = expect[(i, g.name)]
+            assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9 * ref.abs().max()), (i, g.name)
+            assert int(t[f"{g.name}.counts"][0]) == 367 and int(t[f"{g.name}.counts"][1]) == 3
+
+
+def test_chunked_equals_unchunked(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
+    samples = _samples([300, 90])
+    a = CalibrationEngine(tiny_ckpt_fp32, samples, tmp_path / "a", _opts(chunk_tokens=37, propagate="float"))
+    b = CalibrationEngine(tiny_ckpt_fp32, samples, tmp_path / "b", _opts(chunk_tokens=4096, propagate="float"))
+    ra, rb = a.run(), b.run()
+    for i in range(4):
+        ta, tb = ra.layer_tensors(i), rb.layer_tensors(i)
+        for k in ta:
+            assert torch.allclose(ta[k], tb[k], rtol=1e-5, atol=1e-5 * tb[k].abs().max().item()), (i, k)
+    for ha, hb in zip(a.final_hidden, b.final_hidden, strict=True):
+        assert torch.allclose(ha, hb, rtol=1e-5, atol=1e-5 * hb.abs().max().item())
+
+
+def test_forced_dense_matches_dense_model_not_sparse(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
+    samples = _samples([600])  # > dense_len 256, and long enough that sparse selection drops blocks
+    opts = _opts(propagate="float", hessian=False, chunk_tokens=128)
+    engine = CalibrationEngine(tiny_ckpt_fp32, samples, tmp_path / "w", opts)
+    engine.run()
+    model = load_model(tiny_ckpt_fp32)
+    with torch.no_grad():
+        dense = model.model(samples[0][None], attention_mode="dense")
+        sparse = model.model(samples[0][None], attention_mode="sparse")
+    ours = model.model.norm(engine.final_hidden[0])
+    assert torch.allclose(ours, dense, rtol=1e-4, atol=1e-4 * dense.abs().max().item())
+    assert (ours - sparse).abs().max() > 1e-2 * sparse.abs().max()
+
+
+class _RoundToNearest:
+    """A minimal quantizer: 4-bit symmetric per-row fake quantization of every linear."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.seen: list[int] = []
+
+    def quantize_layer(self, index, layer, stats) -> LayerResult:
+        if index == self.fail_at:
+            raise KeyboardInterrupt("simulated interruption")
+        self.seen.append(index)
+        tensors = {}
+        for name, mod in layer.named_modules():
+            if isinstance(mod, nn.Linear):
+                w = mod.weight.data.float()
+                scale = w.abs().amax(1, keepdim=True).clamp(min=1e-8) / 7
+                q = (w / scale).round().clamp(-8, 7)
+                mod.weight.data = (q * scale).to(mod.weight.dtype)
+                tensors[f"{name}.scale"] = scale
+        return LayerResult(layer=layer, tensors=tensors, report={"index": index, "groups": sorted(stats)})
+
+
+def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path) -> None:
+    samples = _samples([120, 300])
+    full = CalibrationEngine(tiny_ckpt, samples, tmp_path / "full", _opts())
+    ref = full.run(_RoundToNearest())
+    assert [r["index"] for r in ref.reports] == [0, 1, 2, 3]
+
+    work = tmp_path / "resumed"
+    interrupted = CalibrationEngine(tiny_ckpt, samples, work, _opts())
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run(_RoundToNearest(fail_at=2))
+    again = CalibrationEngine(tiny_ckpt, samples, work, _opts())
+    with pytest.raises(ResumeError, match="--resume"):
+        again.run(_RoundToNearest())
+    q = _RoundToNearest()
+    again.run(q, resume=True)
+    assert q.seen == [2, 3]  # layers 0 and 1 were not redone
+    for i in range(4):
+        assert (work / "layers" / f"{i:03d}.safetensors").read_bytes() == (
+            tmp_path / "full" / "layers" / f"{i:03d}.safetensors"
+        ).read_bytes()
+    assert (work / "hidden.safetensors").read_bytes() == (tmp_path / "full" / "hidden.safetensors").read_bytes()
+    # quantized propagation differs from float propagation
+    flt = CalibrationEngine(tiny_ckpt, samples, tmp_path / "flt", _opts(propagate="float"))
+    flt.run(_RoundToNearest())
+    assert not torch.equal(load_file(tmp_path / "flt" / "hidden.safetensors")["s000000"],
+                           load_file(work / "hidden.safetensors")["s000000"])  # fmt: skip
+
+
+def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    with pytest.raises(KeyboardInterrupt):
+        CalibrationEngine(tiny_ckpt, _samples([64]), work, _opts()).run(_RoundToNearest(fail_at=1))
+    with pytest.raises(ResumeError, match="fingerprint"):
+        CalibrationEngine(tiny_ckpt, _samples([64], seed=9), work, _opts()).run(_RoundToNearest(), resume=True)
+    with pytest.raises(ResumeError, match="fingerprint"):
+        CalibrationEngine(tiny_ckpt, _samples([64]), work, _opts(chunk_tokens=16)).run(_RoundToNearest(), resume=True)
+    with pytest.raises(ResumeError, match="fingerprint"):
+        CalibrationEngine(tiny_ckpt, _samples([64]), work, _opts(), settings={"bits": 8}).run(
+            _RoundToNearest(), resume=True
+        )
+
+
+def test_stats_definitions(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Per-sample-normalised Hessian, mean x^2 and absmax against their definitions, lm_head input too."""
+    samples = _samples([40, 10])
+    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "w", _opts(propagate="float", lm_head_stats=True))
+    res = engine.run()
+    cfg = SalaConfig.from_file(tiny_ckpt)
+    model = load_model(tiny_ckpt)
+    xs = []
+    mod = model.model.layers[1].mlp.down_proj
+    h = mod.register_forward_pre_hook(lambda _m, a: xs.append(a[0].reshape(-1, a[0].shape[-1]).double()))
+    with torch.no_grad():
+        for s in samples:
+            model(s[None], attention_mode="dense")
+    h.remove()
+    t = res.layer_tensors(1)
+    per_sample = sum(x.T @ x / x.shape[0] for x in xs) / 2
+    stored = t["mlp_out.xtx_per_sample"] / int(t["mlp_out.counts"][1])  # stored as a sum over samples
+    assert torch.allclose(stored, per_sample, rtol=1e-9, atol=1e-12)
+    allx = torch.cat(xs)
+    assert torch.allclose(t["mlp_out.sumsq"] / 50, (allx**2).mean(0), rtol=1e-9)
+    assert torch.equal(t["mlp_out.absmax"], allx.abs().amax(0).float())
+    finals = [model.model.norm(h) / cfg.logit_divisor for h in engine.final_hidden]
+    expect = torch.stack([f.abs().amax((0, 1)).float() for f in finals]).amax(0)
+    assert torch.equal(res.lm_head_stats.absmax, expect)
+    assert res.lm_head_stats.tokens == 50 and res.lm_head_stats.samples == 2
