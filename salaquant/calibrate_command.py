@@ -10,36 +10,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .calibration import CalibOptions, load_calibration
+from .calibration import CalibOptions
 from .pipeline import CalibrationEngine, EngineOptions
-
-
-def load_tokenizer(model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    from .model import hf  # noqa: F401  (AutoTokenizer reads config.json)
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-def check_output(output: Path, overwrite: bool, resume: bool) -> None:
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ValueError(f"{output} exists and is not empty: pass --overwrite to replace it")
-    if resume and not Path(f"{output}.work").exists():
-        raise ValueError(f"--resume: no work folder {output}.work to resume from")
+from .workflow import check_output, prepare_calibration, work_dir_for
 
 
 def run_calibrate(
     model: Path,
     output: Path,
     sources: list[str],
+    options: CalibOptions,
     *,
-    max_samples: int | None,
-    max_len: int,
-    min_len: int,
-    shuffle: bool,
-    seed: int,
-    field: str | None,
     chunk_tokens: int,
     device: str,
     hessian: bool,
@@ -51,16 +32,8 @@ def run_calibrate(
     check_output(output, overwrite, resume)
     if hessian_dtype not in ("fp32", "fp64"):
         raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
-    tokenizer = load_tokenizer(model)
-    data = load_calibration(
-        sources,
-        tokenizer,
-        CalibOptions(
-            max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
-        ),
-    )
-    data.render_summary(console)
-    work = Path(f"{output}.work")
+    data = prepare_calibration(model, sources, options, console)
+    work = work_dir_for(output)
     opts = EngineOptions(
         device=device,
         chunk_tokens=chunk_tokens,

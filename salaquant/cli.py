@@ -196,18 +196,17 @@ def calibrate(
 ) -> None:
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
     from .calibrate_command import run_calibrate
+    from .calibration import CalibOptions
 
     try:
+        options = CalibOptions(
+            max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+        )
         run_calibrate(
             input,
             output,
             calib,
-            max_samples=max_samples,
-            max_len=max_len,
-            min_len=min_len,
-            shuffle=shuffle,
-            seed=seed,
-            field=field,
+            options,
             chunk_tokens=chunk_tokens,
             device=device,
             hessian=hessian,
@@ -218,6 +217,120 @@ def calibrate(
         )
     except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
+
+
+Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")]
+
+
+@app.command("gptq")
+def gptq_command(
+    input: Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the GPTQ checkpoint.")],
+    calib: Calib,
+    max_samples: Annotated[int | None, typer.Option(help="Keep at most this many samples.")] = 96,
+    max_len: Annotated[int, typer.Option(help="Truncate samples to this many tokens.")] = 131072,
+    min_len: Annotated[int, typer.Option(help="Drop samples shorter than this.")] = 1,
+    shuffle: Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")] = False,
+    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
+    field: Annotated[str | None, typer.Option(help="Record field holding the text.")] = None,
+    bits: Annotated[int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")] = 4,
+    group_size: Annotated[int, typer.Option(help="Inputs per scale group: -1, 32, 64 or 128.")] = 128,
+    minicpm4_bits: Annotated[int | None, typer.Option(help="Bits of the minicpm4 (sparse) layers.")] = None,
+    lightning_bits: Annotated[int | None, typer.Option(help="Bits of the lightning layers.")] = None,
+    layer_bits: Annotated[str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')] = "",
+    exclude: Annotated[list[str] | None, typer.Option(help="Keep linears matching this regex in bf16.")] = None,
+    smooth_alpha: Annotated[float, typer.Option(help="SmoothQuant migration strength.")] = 0.5,
+    no_smooth: Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")] = False,
+    damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = 0.01,
+    act_order: Annotated[bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")] = False,
+    mse: Annotated[bool, typer.Option(help="Search clipped scales minimising the squared error.")] = False,
+    fp64: Annotated[bool, typer.Option(help="Accumulate Hessians and solve in float64.")] = False,
+    hessian_weighting: Annotated[str, typer.Option(help="samples (each sample weighs the same) or tokens.")] = (
+        "samples"
+    ),
+    method: Annotated[str, typer.Option(help="gptq, or rtn (round to nearest on the same grid: the baseline).")] = (
+        "gptq"
+    ),
+    quantize_lm_head: Annotated[bool, typer.Option(help="Quantize lm_head too.")] = False,
+    propagate: Annotated[str, typer.Option(help="quantized or float: what the next layer calibrates on.")] = (
+        "quantized"
+    ),
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk for long samples.")] = 8192,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = 1,
+    marlin_fallback: Annotated[
+        bool, typer.Option(help="Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail).")
+    ] = True,
+    shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")] = "4GB",
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+) -> None:
+    """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
+    from .calibration import CalibOptions
+    from .gptq.command import RunOptions, run_gptq
+    from .gptq.layer import GPTQLayerOptions
+    from .gptq.plan import BitsOptions
+
+    try:
+        run_gptq(
+            input,
+            output,
+            calib,
+            CalibOptions(
+                max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+            ),
+            BitsOptions(
+                bits=bits,
+                group_size=group_size,
+                minicpm4_bits=minicpm4_bits,
+                lightning_bits=lightning_bits,
+                layer_bits=layer_bits,
+                exclude=tuple(exclude or ()),
+            ),
+            GPTQLayerOptions(
+                damp=damp,
+                act_order=act_order,
+                mse=mse,
+                fp64=fp64,
+                smooth_alpha=None if no_smooth else smooth_alpha,
+                hessian_weighting=hessian_weighting,
+                method=method,
+            ),
+            RunOptions(
+                device=device,
+                chunk_tokens=chunk_tokens,
+                propagate=propagate,
+                quantize_lm_head=quantize_lm_head,
+                tp=tp,
+                max_shard_bytes=parse_size(shard_size),
+                resume=resume,
+                overwrite=overwrite,
+                marlin_fallback=marlin_fallback,
+            ),
+            console,
+        )
+    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+@app.command()
+def check(
+    model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,
+) -> None:
+    """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups)."""
+    from .check import CheckError, check_checkpoint
+
+    try:
+        report = check_checkpoint(model, tp=tp)
+    except (CheckError, CheckpointError, FileNotFoundError) as exc:
+        fail(str(exc), code=1)
+    console.print(
+        f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
+        f"{len(report.unquantized)} kept in 16 bits"
+    )
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ def _fill(
         full = prefix + name
         if full not in shapes:
             raise CheckpointError(f"internal: module parameter {full} has no entry in the SALA layout")
-        tensor = reader.get_checked(full, shapes[full])
+        tensor = _read_weight(reader, full, shapes[full])
         state[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
     for name in module.state_dict():  # tied parameters appear once above, twice in the state dict
         if name not in state and name == "lm_head.weight":
@@ -55,8 +55,28 @@ def _fill(
     module.load_state_dict(state, strict=True, assign=True)
 
 
+def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A dense tensor; linears stored as GPTQ v1 (``qweight`` ...) are dequantized to bfloat16."""
+    module = name.removesuffix(".weight")
+    if name not in reader and f"{module}.qweight" in reader:
+        qconfig = reader.config().get("quantization_config") or {}
+        if qconfig.get("quant_method") != "gptq":
+            raise CheckpointError(f"{module}.qweight found but config.json has no GPTQ quantization_config")
+        from ..gptq.dequant import dequantized_weight
+
+        return dequantized_weight(reader, module, qconfig, shape)
+    return reader.get_checked(name, shape)
+
+
+def _quantized_modules(reader: CheckpointReader) -> set[str]:
+    return {k.removesuffix(".qweight") for k in reader if k.endswith(".qweight")}
+
+
 def _check_keys(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
     keys = set(reader.keys())
+    quantized = _quantized_modules(reader)
+    keys |= {f"{m}.weight" for m in quantized}
+    keys -= {f"{m}.{k}" for m in quantized for k in ("qweight", "qzeros", "scales", "g_idx")}
     missing = [k for k in expected if k not in keys]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

@@ -1,0 +1,499 @@
+"""Checkpoint checker: will vLLM / SGLang load this quantized folder with the intended kernels?
+
+`check_checkpoint` reads ``config.json`` and the safetensors headers (plus the small ``qzeros`` / ``g_idx``
+tensors) and dispatches on ``quantization_config.quant_method`` to a checker registered in `CHECKERS`.
+Every problem found is collected; a `CheckError` lists them all, each naming the tensor (or config key)
+and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .gptq.dynamic import first_match, fused_name, resolve
+from .model.checkpoint import CheckpointError, CheckpointReader
+from .model.config import LIGHTNING, ConfigError, normalize_mixer
+
+__all__ = [
+    "CHECKERS",
+    "COLUMN_PARALLEL",
+    "ROW_PARALLEL",
+    "CheckError",
+    "CheckReport",
+    "check_checkpoint",
+    "register_checker",
+]
+
+# Decoder linears by tensor-parallel split (relative to ``model.layers.{i}.``).
+COLUMN_PARALLEL = frozenset(
+    {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_gate",
+        "self_attn.z_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    }
+)
+ROW_PARALLEL = frozenset({"self_attn.o_proj", "mlp.down_proj"})
+_HEAD_SPLIT = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"})
+_KV = frozenset({"self_attn.k_proj", "self_attn.v_proj"})
+_LAYER_LINEAR = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)")
+
+GPTQ_BITS = (4, 8)
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
+MARLIN_MIN_N = 64  # output partition multiple (GPTQ_MARLIN_MIN_THREAD_N)
+MARLIN_MIN_K = 128  # input partition multiple (GPTQ_MARLIN_MIN_THREAD_K)
+_GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+_PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class CheckError(ValueError):
+    """The checkpoint would not load (or not load as intended); ``errors`` lists every problem."""
+
+    def __init__(self, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = list(errors) if errors is not None else [message]
+
+
+@dataclass
+class CheckReport:
+    """What a passing checkpoint holds: its format, quantized and plain linears, and warnings."""
+
+    format: str
+    quantized: list[str] = field(default_factory=list)
+    unquantized: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+Checker = Callable[[CheckpointReader, dict[str, Any], int], CheckReport]
+CHECKERS: dict[str, Checker] = {}
+
+
+def register_checker(quant_method: str, checker: Checker) -> None:
+    """Register the checker for one ``quant_method`` value (replaces an earlier one)."""
+    CHECKERS[quant_method] = checker
+
+
+def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
+    """Check the quantized checkpoint folder ``path`` for tensor-parallel size ``tp``.
+
+    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise CheckError(f"tp={tp!r}: tensor-parallel size must be a positive integer")
+    try:
+        reader = CheckpointReader(path)
+        config = reader.config()
+    except CheckpointError as exc:
+        raise CheckError(str(exc)) from exc
+    qconfig = config.get("quantization_config")
+    if qconfig is None:
+        raise CheckError(f"{Path(path) / 'config.json'}: no quantization_config (not a quantized checkpoint?)")
+    if not isinstance(qconfig, dict):
+        raise CheckError(f"{Path(path) / 'config.json'}: quantization_config is not a JSON object")
+    method = qconfig.get("quant_method")
+    checker = CHECKERS.get(method) if isinstance(method, str) else None
+    if checker is None:
+        known = ", ".join(sorted(CHECKERS))
+        raise CheckError(f"unsupported quant_method {method!r} (checkers exist for: {known})")
+    with reader:
+        return checker(reader, config, tp)
+
+
+# --------------------------------------------------------------------------------------------
+# GPTQ
+# --------------------------------------------------------------------------------------------
+
+
+def _fail(errors: list[str], where: str) -> None:
+    if errors:
+        lines = "\n".join(f"  - {e}" for e in errors)
+        raise CheckError(f"{len(errors)} problem(s) in {where}:\n{lines}", errors)
+
+
+def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str]) -> dict[str, Any]:
+    """Top-level keys and dynamic overrides against what gptq_marlin accepts."""
+    for key in ("bits", "group_size", "desc_act", "sym"):
+        if key not in qc:
+            errors.append(f"quantization_config.{key} is missing (gptq_marlin needs bits, group_size, desc_act, sym)")
+    bits, gs, desc_act, sym = qc.get("bits"), qc.get("group_size"), qc.get("desc_act"), qc.get("sym")
+    if "bits" in qc and (isinstance(bits, bool) or bits not in GPTQ_BITS):
+        errors.append(f"quantization_config.bits = {bits!r}: gptq_marlin takes 4 or 8")
+    if "group_size" in qc and (isinstance(gs, bool) or gs not in MARLIN_GROUP_SIZES):
+        errors.append(f"quantization_config.group_size = {gs!r}: gptq_marlin takes one of {list(MARLIN_GROUP_SIZES)}")
+    if "sym" in qc and sym is not True:
+        errors.append(f"quantization_config.sym = {sym!r}: gptq_marlin needs sym=true (asymmetric falls back to gptq)")
+    if "desc_act" in qc and not isinstance(desc_act, bool):
+        errors.append(f"quantization_config.desc_act = {desc_act!r}: expected true or false")
+    if desc_act is True:
+        warnings.append("desc_act=true: act-order g_idx makes gptq_marlin reorder activations (slower)")
+    fmt = qc.get("checkpoint_format", qc.get("format"))
+    key = "checkpoint_format" if "checkpoint_format" in qc else "format"
+    if fmt is None:
+        warnings.append("quantization_config has no checkpoint_format; loaders assume 'gptq' (v1 zeros)")
+    elif fmt != "gptq":
+        errors.append(f"quantization_config.{key} = {fmt!r}: expected 'gptq' (v1 layout, qzeros = zero - 1)")
+    lm_head = qc.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        errors.append(f"quantization_config.lm_head = {lm_head!r}: expected true or false")
+
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        errors.append(f"quantization_config.dynamic must be an object of pattern -> overrides, got {dynamic!r}")
+        dynamic = {}
+    for pattern, overrides in dynamic.items():
+        where = f"quantization_config.dynamic[{pattern!r}]"
+        body = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+        try:
+            re.compile(body)
+        except re.error as exc:
+            errors.append(f"{where}: not a valid regular expression ({exc})")
+        if not isinstance(overrides, dict):
+            errors.append(f"{where}: overrides must be an object, got {overrides!r}")
+            continue
+        if pattern.startswith("-:"):
+            continue
+        o_bits, o_gs = overrides.get("bits", bits), overrides.get("group_size", gs)
+        if "bits" in overrides and (isinstance(o_bits, bool) or o_bits not in GPTQ_BITS):
+            errors.append(f"{where}.bits = {o_bits!r}: gptq_marlin takes 4 or 8")
+        if "group_size" in overrides and (isinstance(o_gs, bool) or o_gs not in MARLIN_GROUP_SIZES):
+            errors.append(f"{where}.group_size = {o_gs!r}: gptq_marlin takes one of {list(MARLIN_GROUP_SIZES)}")
+        if "sym" in overrides and overrides["sym"] is not True:
+            errors.append(f"{where}.sym = {overrides['sym']!r}: gptq_marlin needs sym=true")
+        if "desc_act" in overrides and not isinstance(overrides["desc_act"], bool):
+            errors.append(f"{where}.desc_act = {overrides['desc_act']!r}: expected true or false")
+    return dynamic
+
+
+def _head_dim(config: dict[str, Any], layer: int) -> int | None:
+    """Attention head size of decoder layer ``layer`` (lightning layers may have their own)."""
+    mixers = config.get("mixer_types")
+    kind = None
+    if isinstance(mixers, list) and layer < len(mixers):
+        try:
+            kind = normalize_mixer(mixers[layer], layer)
+        except ConfigError:
+            kind = None
+    value = config.get("lightning_head_dim") if kind == LIGHTNING else None
+    if value is None:
+        value = config.get("head_dim")
+    if value is None:
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            value = hidden // heads
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _partition(
+    name: str, kind: str | None, in_f: int, out_f: int, tp: int, head_dim: int | None, errors: list[str]
+) -> tuple[int, int] | None:
+    """(in, out) of the shard one tensor-parallel rank holds, or None (error recorded)."""
+    tensor = f"{name}.qweight"
+    if tp == 1 or kind is None:
+        return in_f, out_f
+    if kind in ROW_PARALLEL:
+        if in_f % tp:
+            errors.append(f"{tensor}: row-parallel in_features={in_f} is not divisible by tp={tp}")
+            return None
+        return in_f // tp, out_f
+    if kind in _HEAD_SPLIT and head_dim is not None and out_f % head_dim == 0:
+        heads = out_f // head_dim
+        if heads >= tp:
+            if heads % tp:
+                errors.append(f"{tensor}: {heads} heads of size {head_dim} do not split over tp={tp}")
+                return None
+            return in_f, heads // tp * head_dim
+        if kind in _KV and tp % heads == 0:
+            return in_f, head_dim  # fewer kv heads than ranks: each rank holds one replicated head
+        errors.append(f"{tensor}: {heads} heads of size {head_dim} do not split over tp={tp}")
+        return None
+    if out_f % tp:
+        errors.append(f"{tensor}: column-parallel out_features={out_f} is not divisible by tp={tp}")
+        return None
+    return in_f, out_f // tp
+
+
+def _marlin_shape(name: str, in_p: int, out_p: int, gs: int, tp: int, errors: list[str]) -> None:
+    tensor = f"{name}.qweight"
+    split = f" (tp={tp} shard)" if tp > 1 else ""
+    # lm_head rows are padded to a multiple of 64 per rank at load, so only its input is constrained.
+    if name != "lm_head" and out_p % MARLIN_MIN_N:
+        errors.append(f"{tensor}: output partition {out_p}{split} is not a multiple of {MARLIN_MIN_N} (gptq_marlin)")
+    if in_p % MARLIN_MIN_K:
+        errors.append(f"{tensor}: input partition {in_p}{split} is not a multiple of {MARLIN_MIN_K} (gptq_marlin)")
+    if gs > 0 and in_p % gs:
+        errors.append(f"{tensor}: input partition {in_p}{split} is not a multiple of group_size {gs}")
+
+
+def marlin_shape_problems(
+    config: dict[str, Any], module: str, in_features: int, out_features: int, group_size: int, tp: int = 1
+) -> list[str]:
+    """What gptq_marlin would refuse about this decoder linear's tensor-parallel shard (empty when it fits)."""
+    m = _LAYER_LINEAR.fullmatch(module)
+    kind = m[2] if m else None
+    head_dim = _head_dim(config, int(m[1])) if m else None
+    errors: list[str] = []
+    part = _partition(module, kind, in_features, out_features, tp, head_dim, errors)
+    if part is not None:
+        _marlin_shape(module, part[0], part[1], group_size, tp, errors)
+    return errors
+
+
+def _zeros_word(bits: int) -> int:
+    """The v1 qzeros int32 word of symmetric ``bits``: zero - 1 = 2**(bits-1) - 1 in every field."""
+    field_value = (1 << (bits - 1)) - 1
+    word = 0
+    for j in range(32 // bits):
+        word |= field_value << (bits * j)
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _check_gptq_module(
+    reader: CheckpointReader,
+    name: str,
+    leaves: set[str],
+    bits: int,
+    gs: int,
+    desc_act: bool,
+    kind: str | None,
+    tp: int,
+    head_dim: int | None,
+    errors: list[str],
+) -> None:
+    """Tensors of one quantized linear: presence, dtypes, shapes (A.1 layout), qzeros, g_idx, TP shards."""
+    missing = [t for t in _GPTQ_TENSORS if t not in leaves]
+    for t in missing:
+        errors.append(f"{name}.{t} is missing (a GPTQ linear needs {', '.join(_GPTQ_TENSORS)})")
+    for t in sorted(leaves - {*_GPTQ_TENSORS, "bias"}):
+        errors.append(f"{name}.{t}: unexpected next to {name}.qweight (a GPTQ linear holds only {_GPTQ_TENSORS})")
+    if missing:
+        return
+    n_errors = len(errors)
+    expected_dtypes = {"qweight": torch.int32, "qzeros": torch.int32, "g_idx": torch.int32, "scales": torch.float16}
+    for t, want in expected_dtypes.items():
+        got = reader.dtype(f"{name}.{t}")
+        if got != want:
+            errors.append(f"{name}.{t}: dtype {got} is not {want}")
+    qw, qz = reader.shape(f"{name}.qweight"), reader.shape(f"{name}.qzeros")
+    sc, gi = reader.shape(f"{name}.scales"), reader.shape(f"{name}.g_idx")
+    shapes = {"qweight": qw, "qzeros": qz, "scales": sc}
+    for t, shape in shapes.items():
+        if len(shape) != 2:
+            errors.append(f"{name}.{t}: expected a 2-D tensor, got shape {list(shape)}")
+    if len(gi) != 1:
+        errors.append(f"{name}.g_idx: expected a 1-D tensor [in], got shape {list(gi)}")
+    if len(errors) > n_errors:
+        return
+    pack = 32 // bits
+    in_f, out_f = gi[0], qw[1]
+    rule = f"{bits}-bit"
+    if in_f % pack or qw[0] != in_f // pack:
+        hint = ""
+        if qw[0] and (qw[0] * 32) % in_f == 0 and (qw[0] * 32) // in_f in (2, 3, 4, 8) and in_f % pack == 0:
+            hint = f"; the rows fit {qw[0] * 32 // in_f}-bit packing (is a dynamic rule for this module missing?)"
+        errors.append(
+            f"{name}.qweight: shape {list(qw)} does not match [in * bits / 32, out] = [{in_f} * {bits} / 32, "
+            f"{out_f}] for {rule} (in from g_idx){hint}"
+        )
+        return
+    groups = 1 if gs == -1 else math.ceil(in_f / gs)
+    if sc != (groups, out_f):
+        errors.append(
+            f"{name}.scales: shape {list(sc)}, expected [groups, out] = [{groups}, {out_f}] (group_size {gs})"
+        )
+    if out_f % pack:
+        errors.append(f"{name}.qzeros: out_features={out_f} is not a multiple of {pack} ({rule} packing)")
+    elif qz != (groups, out_f // pack):
+        errors.append(
+            f"{name}.qzeros: shape {list(qz)}, expected [groups, out * bits / 32] = [{groups}, {out_f // pack}]"
+        )
+    if "bias" in leaves and reader.shape(f"{name}.bias") != (out_f,):
+        errors.append(f"{name}.bias: shape {list(reader.shape(f'{name}.bias'))}, expected [{out_f}]")
+    if len(errors) > n_errors:
+        return
+
+    qzeros = reader.get(f"{name}.qzeros")
+    word = _zeros_word(bits)
+    bad = (qzeros != word).nonzero()
+    if bad.numel():
+        r, c = (int(v) for v in bad[0])
+        found = int(qzeros[r, c]) & 0xFFFFFFFF
+        errors.append(
+            f"{name}.qzeros: word [{r}, {c}] is {found:#010x}, expected {word & 0xFFFFFFFF:#010x} "
+            f"(symmetric {bits}-bit v1 stores zero - 1 = {(1 << (bits - 1)) - 1} in every field); "
+            f"{bad.shape[0]} word(s) differ"
+        )
+    g_idx = reader.get(f"{name}.g_idx").to(torch.int64)
+    monotonic = bool((g_idx[1:] >= g_idx[:-1]).all()) if in_f > 1 else True
+    if desc_act and gs != -1:
+        if not monotonic:
+            errors.append(f"{name}.g_idx: not monotonic (act-order permutation); salaquant requires monotonic g_idx")
+        elif in_f and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            errors.append(f"{name}.g_idx: values outside [0, {groups})")
+    else:
+        expected = torch.arange(in_f, dtype=torch.int64) // gs if gs > 0 else torch.zeros(in_f, dtype=torch.int64)
+        if not torch.equal(g_idx, expected):
+            what = "not monotonic" if not monotonic else "not equal to i // group_size"
+            errors.append(
+                f"{name}.g_idx: {what} while desc_act=false (the kernel ignores g_idx, so the weights would be "
+                "dequantized with the wrong groups)"
+            )
+    scales = reader.get(f"{name}.scales")
+    if not bool(torch.isfinite(scales).all()):
+        errors.append(f"{name}.scales: holds inf or NaN")
+
+    part = _partition(name, kind, in_f, out_f, tp, head_dim, errors)
+    if part is not None:
+        _marlin_shape(name, part[0], part[1], gs, tp, errors)
+
+
+def _natural_key(name: str) -> tuple[bool, list[Any]]:
+    """Checkpoint order: ``model.*`` by layer number, then the rest (lm_head)."""
+    return not name.startswith("model."), [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _describe(quantized: bool, bits: int, gs: int) -> str:
+    return f"GPTQ {bits}-bit/g{gs}" if quantized else "not quantized"
+
+
+def _rule(pattern: str | None) -> str:
+    return "no dynamic rule matches" if pattern is None else f"rule {pattern!r}"
+
+
+def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> CheckReport:
+    """Check a GPTQ (v1) checkpoint for vLLM / SGLang ``gptq_marlin``."""
+    qc: dict[str, Any] = config["quantization_config"]
+    errors: list[str] = []
+    report = CheckReport(format="gptq")
+    dynamic = _check_gptq_config(qc, errors, report.warnings)
+    _fail(errors, f"{reader.path / 'config.json'} quantization_config")
+    bits: int = qc["bits"]
+    gs: int = qc["group_size"]
+    desc_act: bool = qc["desc_act"]
+    lm_head_flag: bool = qc.get("lm_head", False)
+
+    side = reader.path / "quantize_config.json"
+    if side.is_file():
+        try:
+            if json.loads(side.read_text(encoding="utf-8")) != qc:
+                report.warnings.append("quantize_config.json differs from config.json quantization_config")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            report.warnings.append(f"quantize_config.json cannot be parsed: {exc}")
+
+    modules: dict[str, set[str]] = {}
+    for tensor in reader:
+        module, _, leaf = tensor.rpartition(".")
+        modules.setdefault(module, set()).add(leaf)
+
+    def settings(module: str, base_quantized: bool = True) -> tuple[bool, int, int, bool, str | None]:
+        quantized, overrides = resolve(dynamic, module)
+        return (
+            base_quantized and quantized,
+            overrides.get("bits", bits),
+            overrides.get("group_size", gs),
+            overrides.get("desc_act", desc_act),
+            first_match(dynamic, module),
+        )
+
+    # Decoder linears, plus lm_head; anything else holding a qweight is checked without a TP split.
+    linears: dict[str, str | None] = {}
+    for module, leaves in modules.items():
+        m = _LAYER_LINEAR.fullmatch(module)
+        if m and (m[2] in COLUMN_PARALLEL or m[2] in ROW_PARALLEL) and leaves & {"qweight", "weight"}:
+            linears[module] = m[2]
+        elif module == "lm_head" and leaves & {"qweight", "weight"}:
+            linears[module] = None
+        elif "qweight" in leaves:
+            linears[module] = None
+            report.warnings.append(
+                f"{module}: quantized module of unknown kind; checked without a tensor-parallel split"
+            )
+
+    # Fused groups: the engines resolve the fused name (SGLang; vLLM sparse layers) or the member names
+    # (vLLM lightning layers); all must agree, and storage must agree.
+    for module in sorted(linears, key=_natural_key):
+        fused = fused_name(module)
+        if fused is None:
+            continue
+        mine, theirs = settings(module), settings(fused)
+        if mine[:3] != theirs[:3]:
+            errors.append(
+                f"{module}: dynamic gives it {_describe(*mine[:3])} ({_rule(mine[4])}) but the fused "
+                f"{fused} {_describe(*theirs[:3])} ({_rule(theirs[4])}); fused members must share bits and group size"
+            )
+    groups: dict[str, list[str]] = {}
+    for module in linears:
+        fused = fused_name(module)
+        if fused is not None:
+            groups.setdefault(fused, []).append(module)
+    for fused, members in sorted(groups.items(), key=lambda kv: _natural_key(kv[0])):
+        stored = {m: "qweight" in modules[m] for m in members}
+        if len(set(stored.values())) > 1:
+            shown = ", ".join(f"{m} ({'GPTQ' if q else 'plain weight'})" for m, q in sorted(stored.items()))
+            errors.append(f"{fused}: fused members must be all quantized or all plain, got {shown}")
+
+    mibq = qc.get("modules_in_block_to_quantize")
+    listed: list[str] | None = None
+    if isinstance(mibq, list):
+        listed = [s for item in mibq for s in (item if isinstance(item, list) else [item]) if isinstance(s, str)]
+
+    for module in sorted(linears, key=_natural_key):
+        kind = linears[module]
+        leaves = modules[module]
+        base = lm_head_flag if module == "lm_head" else True
+        quantized, m_bits, m_gs, m_desc, rule = settings(module, base)
+        stored_q, stored_w = "qweight" in leaves, "weight" in leaves
+        if quantized:
+            if not stored_q:
+                if stored_w:
+                    fix = (
+                        "set lm_head=false or quantize it"
+                        if module == "lm_head"
+                        else f"add a negative rule such as '-:{re.escape(module)}$' to dynamic, or quantize it"
+                    )
+                    errors.append(
+                        f"{module}.weight: stored as plain {reader.dtype(module + '.weight')} but the config quantizes "
+                        f"{module} (no negative dynamic rule matches); SGLang builds a GPTQ layer and fails with "
+                        f"KeyError: '{module}.weight'; {fix}"
+                    )
+                else:
+                    errors.append(f"{module}: no qweight (the config quantizes it)")
+                continue
+            if listed is not None and not any(s in module for s in listed):
+                errors.append(
+                    f"{module}.qweight: quantized, but modules_in_block_to_quantize does not list it "
+                    "(vLLM would build an unquantized layer)"
+                )
+            layer = _LAYER_LINEAR.fullmatch(module)
+            head_dim = _head_dim(config, int(layer[1])) if layer else None
+            _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head_dim, errors)
+            report.quantized.append(module)
+        else:
+            why = "lm_head=false" if module == "lm_head" and not lm_head_flag else f"dynamic {_rule(rule)}"
+            if stored_q:
+                errors.append(f"{module}.qweight: present, but {why} leaves {module} unquantized")
+                continue
+            if not stored_w:
+                errors.append(f"{module}.weight is missing ({why} leaves the module unquantized)")
+                continue
+            dtype = reader.dtype(module + ".weight")
+            if dtype not in _PLAIN_WEIGHT_DTYPES:
+                errors.append(f"{module}.weight: dtype {dtype}, expected bfloat16 or float16 ({why})")
+                continue
+            report.unquantized.append(module)
+
+    _fail(errors, str(reader.path))
+    return report
+
+
+register_checker("gptq", _check_gptq)

@@ -1,0 +1,175 @@
+"""``salaquant gptq``: calibration -> SmoothQuant -> full-Hessian GPTQ per layer -> GPTQ v1 export -> check."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .. import __version__
+from ..calibration import CalibOptions
+from ..check import check_checkpoint
+from ..model.config import SalaConfig
+from ..pipeline import CalibrationEngine, EngineOptions
+from ..workflow import check_output, prepare_calibration, work_dir_for
+from .export import export_gptq, quantization_config
+from .layer import GPTQLayerOptions, GPTQLayerQuantizer
+from .packing import pack_gptq_v1
+from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
+from .solver import gptq, relative_output_error
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    device: str = "auto"
+    chunk_tokens: int = 8192
+    propagate: str = "quantized"
+    quantize_lm_head: bool = False
+    tp: int = 1
+    max_shard_bytes: int = 4 * 10**9
+    resume: bool = False
+    overwrite: bool = False
+    show_progress: bool = True
+    marlin_fallback: bool = True  # keep linears that gptq_marlin cannot serve in bf16 (else the checker fails)
+
+
+def _summary_table(reports: list[dict[str, Any]]) -> tuple[Table, dict[str, dict[str, float]]]:
+    """Mean relative output error per (layer kind, linear) for GPTQ and RTN."""
+    acc: dict[str, list[tuple[float, float]]] = {}
+    for rep in reports:
+        for name, lin in rep.get("linears", {}).items():
+            if lin.get("bits", 16) != 16:
+                acc.setdefault(f"{rep['kind']} {name}", []).append((lin["rel_err"], lin["rtn_rel_err"]))
+    table = Table(title="Relative output error on the calibration inputs (mean over layers)")
+    for col in ("linear", "layers", "GPTQ", "RTN", "GPTQ / RTN"):
+        table.add_column(col, justify="left" if col == "linear" else "right")
+    summary: dict[str, dict[str, float]] = {}
+    for key in sorted(acc):
+        g = sum(a for a, _ in acc[key]) / len(acc[key])
+        r = sum(b for _, b in acc[key]) / len(acc[key])
+        summary[key] = {"gptq": g, "rtn": r}
+        table.add_row(key, str(len(acc[key])), f"{g:.3e}", f"{r:.3e}", f"{g / r:.3f}" if r > 0 else "-")
+    return table, summary
+
+
+def run_gptq(
+    model: Path,
+    output: Path,
+    sources: list[str],
+    calib: CalibOptions,
+    bits: BitsOptions,
+    layer: GPTQLayerOptions,
+    run: RunOptions,
+    console: Console,
+) -> Path:
+    check_output(output, run.overwrite, run.resume)
+    config = SalaConfig.from_file(model)
+    plan = build_plan(config, bits)  # bad bit plans fail before any data or model work
+    excluded = marlin_exclusions(config, plan, run.tp)
+    if excluded and not run.marlin_fallback:
+        first = next(iter(excluded.items()))
+        raise PlanError(
+            f"{len(excluded)} linears cannot be served by gptq_marlin at tp={run.tp}, e.g. {first[0]}: "
+            f"{first[1][0]}; exclude them or allow --marlin-fallback"
+        )
+    if excluded:
+        console.print(
+            f"[yellow]keeping {len(excluded)} linears in bf16: gptq_marlin cannot serve their shapes at "
+            f"tp={run.tp} (--no-marlin-fallback fails instead):[/]"
+        )
+        for name, reasons in excluded.items():
+            console.print(f"  {name}: {reasons[0]}")
+    data = prepare_calibration(model, sources, calib, console)
+    settings = {
+        "method": "gptq",
+        "bits": dataclasses.asdict(bits),
+        "gptq": dataclasses.asdict(layer),
+        "quantize_lm_head": run.quantize_lm_head,
+        "marlin_exclusions": sorted(excluded),
+        "calibration": dataclasses.asdict(calib),
+    }
+    engine_opts = EngineOptions(
+        device=run.device,
+        chunk_tokens=run.chunk_tokens,
+        propagate=run.propagate,
+        hessian=True,
+        hessian_dtype="fp64" if layer.fp64 else "fp32",
+        lm_head_stats=run.quantize_lm_head,
+        show_progress=run.show_progress,
+    )
+    engine = CalibrationEngine(model, [s.ids for s in data.samples], work_dir_for(output), engine_opts, settings)
+    t0 = time.perf_counter()
+    result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
+    t_calib = time.perf_counter() - t0
+
+    lm_tensors = None
+    lm_report: dict[str, Any] = {}
+    if run.quantize_lm_head:
+        assert result.lm_head_stats is not None
+        from ..model.loading import load_global
+
+        w = load_global(engine.reader, config, "lm_head.weight", engine.device).float()
+        h = layer.hessian(result.lm_head_stats)
+        cfg = layer.solver_config(bits.bits, bits.group_size)
+        res = gptq(w, h, cfg)
+        lm_tensors = {
+            k: v.cpu()
+            for k, v in pack_gptq_v1(
+                res.weight.codes, res.weight.scales, res.weight.g_idx, bits.bits, res.weight.zero
+            ).items()
+        }
+        lm_report = {
+            "bits": bits.bits,
+            "rel_err": relative_output_error(w, res.weight.dequantize(), h),
+            "damp": res.damp,
+        }
+
+    table, summary = _summary_table(result.reports)
+    console.print(table)
+    meta = {
+        "damp_percent": layer.damp,
+        "act_order_static_groups": layer.act_order,
+        "mse": layer.mse,
+        "smooth_alpha": layer.smooth_alpha,
+        "hessian_weighting": layer.hessian_weighting,
+    }
+    qconfig = quantization_config(config, plan, bits.group_size, run.quantize_lm_head, meta)
+    report = {
+        "salaquant": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(engine.device),
+        "calibration": data.summary(),
+        "timings_s": {**result.timings, "calibrate_and_quantize": t_calib},
+        "summary": summary,
+        "layers": result.reports,
+        "lm_head": lm_report,
+    }
+    t1 = time.perf_counter()
+    export_gptq(
+        model,
+        output,
+        result,
+        qconfig,
+        {"quant_report.json": report, "salaquant_settings.json": settings},
+        lm_head_tensors=lm_tensors,
+        max_shard_bytes=run.max_shard_bytes,
+        overwrite=run.overwrite,
+    )
+    check = check_checkpoint(output, tp=run.tp)
+    shutil.rmtree(work_dir_for(output), ignore_errors=True)
+    console.print(
+        f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
+        f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
+    )
+    for w in check.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    return output

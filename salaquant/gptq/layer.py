@@ -1,0 +1,149 @@
+"""GPTQ for one SALA decoder layer: smoothing, then one full-Hessian solve per input group.
+
+Plugged into the calibration engine as its quantizer. For each input group the Hessian (shared by the
+group's linears) is taken from the engine's statistics, smoothed when SmoothQuant is on, and the members
+with the same plan are solved together (GPTQ is independent per output row given H, so stacking the rows
+of q/k/v or gate/up gives each member exactly its own solution with a single factorisation). The layer
+that comes back carries the dequantized weights, so the next layer is calibrated on quantized outputs; the
+tensors that come back are already in the export layout (GPTQ v1 for quantized linears, bf16 otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model.config import SalaConfig
+from ..model.layout import input_groups
+from ..model.modeling import DecoderLayer
+from ..pipeline import LayerResult
+from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
+from ..stats import GroupStats, LayerStats
+from .dynamic import LinearPlan
+from .packing import pack_gptq_v1
+from .solver import GPTQConfig, GPTQResult, gptq, relative_output_error, rtn, weighted_error
+
+
+@dataclass(frozen=True)
+class GPTQLayerOptions:
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    mse: bool = False
+    fp64: bool = False
+    smooth_alpha: float | None = 0.5  # None: no smoothing
+    hessian_weighting: str = "samples"  # "samples": every sample weighs the same; "tokens": every token
+    method: str = "gptq"  # or "rtn": round to nearest on the same grid (the baseline), same export
+
+    def solver_config(self, bits: int, group_size: int) -> GPTQConfig:
+        return GPTQConfig(
+            bits=bits,
+            group_size=group_size,
+            damp=self.damp,
+            block_size=self.block_size,
+            act_order=self.act_order,
+            mse=self.mse,
+            fp64=self.fp64,
+        )
+
+    def hessian(self, stats: GroupStats):
+        """The Hessian GPTQ uses for a group, per ``hessian_weighting``."""
+        return stats.hessian_per_sample() if self.hessian_weighting == "samples" else stats.hessian_mean()
+
+
+class GPTQLayerQuantizer:
+    """``quantize_layer`` for the calibration engine (see ``salaquant.pipeline.LayerQuantizer``)."""
+
+    def __init__(self, config: SalaConfig, plan: dict[str, LinearPlan], options: GPTQLayerOptions) -> None:
+        if options.method not in ("gptq", "rtn"):
+            raise ValueError(f"method {options.method!r}: expected 'gptq' or 'rtn'")
+        if options.hessian_weighting not in ("samples", "tokens"):
+            raise ValueError(f"hessian weighting {options.hessian_weighting!r}: expected 'samples' or 'tokens'")
+        self.config = config
+        self.plan = plan
+        self.opts = options
+
+    @torch.no_grad()
+    def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
+        prefix = f"model.layers.{index}."
+        groups = input_groups(self.config, layer.kind)
+        hessians: dict[str, torch.Tensor] = {}
+        smoothed: dict[str, float] = {}
+        for g in groups:
+            st = stats[g.name]
+            h = self.opts.hessian(st)
+            quantized = any(self.plan[prefix + m].bits is not None for m in g.members)
+            if self.opts.smooth_alpha is not None and quantized and smoothable(g):
+                act = st.mean_sq().sqrt()
+                weights = [layer.get_submodule(m).weight for m in g.members]
+                s = smooth_scales(act, weights, self.opts.smooth_alpha)
+                fold_scales(layer, g, s)
+                h = transform_hessian(h, s.to(h.device))
+                smoothed[g.name] = float(s.max() / s.min())
+            hessians[g.name] = h
+
+        tensors: dict[str, torch.Tensor] = {}
+        report: dict[str, Any] = {"layer": index, "kind": layer.kind, "linears": {}, "smooth_scale_range": smoothed}
+        for g in groups:
+            h = hessians[g.name]
+            by_plan: dict[LinearPlan, list[str]] = {}
+            for m in g.members:
+                by_plan.setdefault(self.plan[prefix + m], []).append(m)
+            for p, members in by_plan.items():
+                mods = [layer.get_submodule(m) for m in members]
+                if p.bits is None:
+                    for m, mod in zip(members, mods, strict=True):
+                        tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
+                        report["linears"][m] = {"bits": 16}
+                    continue
+                self._solve(members, mods, h, p, tensors, report)
+        for name, module in layer.named_modules():
+            if name.endswith("norm") and hasattr(module, "weight"):
+                tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
+        return LayerResult(layer=layer, tensors=tensors, report=report)
+
+    def _solve(
+        self,
+        members: list[str],
+        mods: list[nn.Module],
+        h: torch.Tensor,
+        p: LinearPlan,
+        tensors: dict[str, torch.Tensor],
+        report: dict[str, Any],
+    ) -> None:
+        assert p.bits is not None
+        cfg = self.opts.solver_config(p.bits, p.group_size)
+        w = torch.cat([m.weight.data.float() for m in mods])
+        t0 = time.perf_counter()
+        w_rtn_q = rtn(w, cfg)
+        if self.opts.method == "rtn":
+            result = GPTQResult(weight=w_rtn_q, loss=float("nan"), damp=0.0, seconds=time.perf_counter() - t0)
+        else:
+            result = gptq(w, h, cfg)
+        seconds = time.perf_counter() - t0
+        w_hat = result.weight.dequantize()
+        w_rtn = w_rtn_q.dequantize()
+        row = 0
+        for name, mod in zip(members, mods, strict=True):
+            out = mod.weight.shape[0]
+            rows = slice(row, row + out)
+            row += out
+            codes = result.weight.codes[rows]
+            scales = result.weight.scales[:, rows]
+            packed = pack_gptq_v1(codes, scales, result.weight.g_idx, p.bits, result.weight.zero)
+            for key, value in packed.items():
+                tensors[f"{name}.{key}"] = value.detach().cpu().clone()  # members share g_idx: copy
+            mod.weight.data = w_hat[rows].to(mod.weight.dtype)
+            report["linears"][name] = {
+                "bits": p.bits,
+                "group_size": p.group_size,
+                "loss": weighted_error(w[rows], w_hat[rows], h),
+                "rel_err": relative_output_error(w[rows], w_hat[rows], h),
+                "rtn_rel_err": relative_output_error(w[rows], w_rtn[rows], h),
+                "damp": result.damp,
+                "seconds": seconds * out / w.shape[0],
+            }

@@ -1,0 +1,111 @@
+"""Which bits each linear gets: ``--bits``, ``--minicpm4-bits``, ``--lightning-bits``, ``--layer-bits``, excludes.
+
+Precedence per layer: ``--layer-bits`` entry, then the layer-type option, then ``--bits``. 16 means keep the
+layer's linears in bf16. Fused groups (q/k/v, gate/up) always share bits and group size because bits are
+chosen per layer; ``--exclude`` patterns that would split a fused group are refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..model.config import LIGHTNING, SPARSE, SalaConfig
+from ..model.layout import FUSED_PARAMETERS, layer_linears
+from .dynamic import LinearPlan
+
+SUPPORTED_BITS = (4, 8, 16)
+
+
+class PlanError(ValueError):
+    """An impossible bits plan; the message names the option and the value."""
+
+
+def parse_layer_bits(spec: str, num_layers: int) -> dict[int, int]:
+    """``"0:8,2-7:4"`` -> {0: 8, 2: 4, ..., 7: 4}."""
+    out: dict[int, int] = {}
+    if not spec.strip():
+        return out
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*:\s*(\d+)\s*", part)
+        if not m:
+            raise PlanError(f"--layer-bits entry {part!r}: expected INDEX:BITS or FIRST-LAST:BITS")
+        first, last, bits = int(m[1]), int(m[2] or m[1]), int(m[3])
+        if last < first or last >= num_layers:
+            raise PlanError(f"--layer-bits entry {part!r}: layers must lie in 0-{num_layers - 1}")
+        if bits not in SUPPORTED_BITS:
+            raise PlanError(f"--layer-bits entry {part!r}: bits must be one of {SUPPORTED_BITS}")
+        for i in range(first, last + 1):
+            out[i] = bits
+    return out
+
+
+@dataclass(frozen=True)
+class BitsOptions:
+    bits: int = 4
+    group_size: int = 128
+    minicpm4_bits: int | None = None
+    lightning_bits: int | None = None
+    layer_bits: str = ""
+    exclude: tuple[str, ...] = ()  # regexes matched (re.search) against full linear names
+
+
+def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
+    """The plan of every decoder linear, by full checkpoint name (``model.layers.{i}.{linear}``)."""
+    checks = (("--bits", opts.bits), ("--minicpm4-bits", opts.minicpm4_bits), ("--lightning-bits", opts.lightning_bits))
+    for name, value in checks:
+        if value is not None and value not in SUPPORTED_BITS:
+            raise PlanError(f"{name} {value}: expected one of {SUPPORTED_BITS}")
+    if opts.group_size not in (-1, 32, 64, 128):
+        raise PlanError(f"--group-size {opts.group_size}: expected -1, 32, 64 or 128 (gptq_marlin group sizes)")
+    per_layer = parse_layer_bits(opts.layer_bits, config.num_hidden_layers)
+    patterns = []
+    for pat in opts.exclude:
+        try:
+            patterns.append(re.compile(pat))
+        except re.error as exc:
+            raise PlanError(f"--exclude {pat!r}: not a valid regular expression ({exc})") from exc
+    plan: dict[str, LinearPlan] = {}
+    for i, kind in enumerate(config.mixer_types):
+        kind_bits = opts.minicpm4_bits if kind == SPARSE else opts.lightning_bits if kind == LIGHTNING else None
+        bits = per_layer.get(i, kind_bits if kind_bits is not None else opts.bits)
+        for spec in layer_linears(config, kind):
+            name = f"model.layers.{i}.{spec.name}"
+            excluded = bits == 16 or any(p.search(name) for p in patterns)
+            plan[name] = LinearPlan(bits=None if excluded else bits, group_size=opts.group_size)
+        for fused, members in FUSED_PARAMETERS.items():
+            got = {plan[f"model.layers.{i}.{m}"] for m in members}
+            if len(got) > 1:
+                raise PlanError(
+                    f"--exclude would split the fused model.layers.{i}.{fused} ({', '.join(members)}): "
+                    "serving engines load them as one parameter, so exclude all of them or none"
+                )
+    return plan
+
+
+def marlin_exclusions(config: SalaConfig, plan: dict[str, LinearPlan], tp: int) -> dict[str, list[str]]:
+    """Keep in bf16 the linears gptq_marlin cannot serve at this tensor-parallel size (whole fused groups),
+    changing ``plan`` in place; returns {linear: reasons} for the linears it excluded."""
+    from ..check import marlin_shape_problems
+
+    raw = config.to_dict()
+    excluded: dict[str, list[str]] = {}
+    for i, kind in enumerate(config.mixer_types):
+        specs = {s.name: s for s in layer_linears(config, kind)}
+        problems = {}
+        for name, spec in specs.items():
+            full = f"model.layers.{i}.{name}"
+            p = plan[full]
+            if p.bits is not None:
+                found = marlin_shape_problems(raw, full, spec.in_features, spec.out_features, p.group_size, tp)
+                if found:
+                    problems[name] = found
+        for members in FUSED_PARAMETERS.values():
+            if any(m in problems for m in members):
+                for m in members:
+                    problems.setdefault(m, [f"fused with {', '.join(x for x in members if x in problems)}"])
+        for name, reasons in problems.items():
+            full = f"model.layers.{i}.{name}"
+            plan[full] = LinearPlan(bits=None, group_size=plan[full].group_size)
+            excluded[full] = reasons
+    return excluded

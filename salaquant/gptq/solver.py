@@ -1,0 +1,286 @@
+"""GPTQ solver: symmetric 4/8-bit group quantization of one weight matrix given its input Hessian.
+
+Grid (GPTQ ``sym=True``): per (row, group) ``scale = 2 * max|w| / (2**bits - 1)`` rounded to a value that is
+exact in both bfloat16 and float16 (what engines serving a bf16 model compute with),
+``zero = 2**(bits - 1)``, ``code = clamp(round(w / scale) + zero, 0, 2**bits - 1)`` and
+``w_hat = (code - zero) * scale``. Codes span ``[0, 2**bits - 1]`` (``+max|w|`` clips to the top code).
+Scales are clamped to the float16 normal range ``[2**-14, 65504]`` before rounding, so an all-zero row
+gets scale ``2**-14`` and dequantizes to exactly 0. Because codes are computed from the float16 scales,
+``QuantizedWeight.dequantize`` reproduces exactly what a checkpoint with float16 scales decodes to.
+
+``H`` is any positive semi-definite ``[in, in]`` matrix proportional to ``X^T X`` of the layer inputs; the
+solution does not depend on its scale (damping is relative to ``mean(diag H)``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+_FP16 = torch.finfo(torch.float16)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """Solver settings.
+
+    ``group_size`` is -1 (one group over all inputs) or a positive number of input columns (the last group
+    may be partial). ``act_order`` processes columns by descending ``diag(H)`` with static groups (scales
+    from the original weight per natural group), so ``g_idx`` stays ``i // group_size``. ``mse`` searches
+    shrink factors ``1, 1 - 1/mse_grid, ..., 1 - mse_maxshrink`` per (row, group) for the least squared error.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    damp: float = 0.01
+    damp_step: float = 0.01
+    max_damp: float = 1.0
+    block_size: int = 128
+    act_order: bool = False
+    mse: bool = False
+    mse_grid: int = 100
+    mse_maxshrink: float = 0.8
+    fp64: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits}: only symmetric 4 or 8 bits are supported")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"group_size={self.group_size}: expected -1 or a positive integer")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size={self.block_size}: expected a positive integer")
+        if self.damp < 0 or self.damp_step < 0 or self.max_damp < self.damp:
+            raise ValueError(f"damping: need 0 <= damp <= max_damp and damp_step >= 0, got {self}")
+        if self.mse_grid <= 0 or not 0.0 <= self.mse_maxshrink < 1.0:
+            raise ValueError(
+                f"mse_grid={self.mse_grid}, mse_maxshrink={self.mse_maxshrink}: need grid > 0, 0 <= shrink < 1"
+            )
+
+
+@dataclass
+class QuantizedWeight:
+    """Codes and scales of a quantized ``[out, in]`` weight; ``w_hat = (codes - zero) * scales[g_idx].T``."""
+
+    codes: torch.Tensor  # int32 [out, in], in [0, 2**bits - 1]
+    scales: torch.Tensor  # float16 [n_groups, out]
+    zero: int  # 2**(bits - 1)
+    g_idx: torch.Tensor  # int32 [in], group of each input column
+    bits: int
+    group_size: int  # -1: one group
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[out, in]`` reconstruction, computed in float32 and cast to ``dtype``."""
+        scales = self.scales.float()[self.g_idx.long()].T
+        return ((self.codes - self.zero).float() * scales).to(dtype)
+
+
+@dataclass
+class GPTQResult:
+    """Solver output. ``loss`` is ``tr((W - W_hat) H (W - W_hat)^T)`` with the caller's undamped ``H``."""
+
+    weight: QuantizedWeight
+    loss: float
+    damp: float  # damping fraction of mean(diag H) finally used
+    seconds: float  # wall time of the call
+
+
+_BF16_BELOW_FP16_MAX = 65280.0  # largest bfloat16 value that float16 can hold
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Clamp to the float16 normal range and round to a value exact in both bfloat16 and float16: checkpoints
+    store float16 scales, and engines serving a bf16 model cast them to bfloat16 before dequantizing."""
+    bf = scale.clamp(min=_FP16.tiny, max=_FP16.max).to(torch.bfloat16).float()
+    return bf.clamp(max=_BF16_BELOW_FP16_MAX).to(torch.float16)
+
+
+def _as_float(w: torch.Tensor) -> torch.Tensor:
+    return w if w.dtype in (torch.float32, torch.float64) else w.float()
+
+
+def symmetric_scales(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-row float16 scales ``2 * max|w| / (2**bits - 1)`` of ``w`` [out, n], clamped to the fp16 normal range."""
+    w = _as_float(w)
+    return _fp16_scale(2 * w.abs().amax(dim=1) / (2**bits - 1))
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: int, bits: int) -> torch.Tensor:
+    """int32 ``clamp(round(w / scale) + zero, 0, 2**bits - 1)`` (round half to even).
+
+    A 1-D ``scale`` with a 2-D ``w`` is one scale per row; otherwise ``scale`` must broadcast against ``w``.
+    """
+    w = _as_float(w)
+    scale = scale.to(w.dtype)
+    if scale.dim() == 1 and w.dim() == 2:
+        scale = scale[:, None]
+    return (torch.round(w / scale) + zero).clamp(0, 2**bits - 1).to(torch.int32)
+
+
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: int, dtype: torch.dtype) -> torch.Tensor:
+    scale = scale.to(dtype)
+    if scale.dim() == 1 and codes.dim() == 2:
+        scale = scale[:, None]
+    return (codes - zero).to(dtype) * scale
+
+
+def mse_scales(w: torch.Tensor, bits: int, grid: int = 100, maxshrink: float = 0.8) -> torch.Tensor:
+    """Per-row float16 scales of ``w`` [out, n] minimising the squared quantization error.
+
+    Candidates are ``p * max|w|`` for ``p = 1 - i / grid``, ``i = 0 .. round(maxshrink * grid)`` (each scale
+    rounded to float16 before it is scored); ties keep the larger scale, so ``p = 1`` (plain symmetric scales)
+    is never beaten by an equal error.
+    """
+    w = _as_float(w)
+    zero, maxq = 2 ** (bits - 1), 2**bits - 1
+    xmax = w.abs().amax(dim=1)
+    best_scale = _fp16_scale(2 * xmax / maxq)
+    best_err = (_dequant(quantize_codes(w, best_scale, zero, bits), best_scale, zero, w.dtype) - w).pow(2).sum(1)
+    for i in range(1, round(maxshrink * grid) + 1):
+        scale = _fp16_scale(2 * ((1 - i / grid) * xmax) / maxq)
+        err = (_dequant(quantize_codes(w, scale, zero, bits), scale, zero, w.dtype) - w).pow(2).sum(1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+    return best_scale
+
+
+def _group_scale(w: torch.Tensor, config: GPTQConfig) -> torch.Tensor:
+    if config.mse:
+        return mse_scales(w, config.bits, config.mse_grid, config.mse_maxshrink)
+    return symmetric_scales(w, config.bits)
+
+
+def _groups(n: int, group_size: int) -> tuple[int, int, torch.Tensor]:
+    gs = n if group_size == -1 else group_size
+    g_idx = (torch.arange(n) // gs).to(torch.int32)
+    return gs, math.ceil(n / gs), g_idx
+
+
+def rtn(weight: torch.Tensor, config: GPTQConfig | None = None) -> QuantizedWeight:
+    """Round-to-nearest on the same grid and groups as ``gptq`` (MSE scale search if ``config.mse``)."""
+    config = config or GPTQConfig()
+    dtype = torch.float64 if config.fp64 else torch.float32
+    w = weight.detach().to(dtype)
+    if w.dim() != 2 or not torch.isfinite(w).all():
+        raise ValueError("weight must be a finite 2-D tensor")
+    gs, n_groups, g_idx = _groups(w.shape[1], config.group_size)
+    zero = 2 ** (config.bits - 1)
+    scales = torch.empty(n_groups, w.shape[0], dtype=torch.float16, device=w.device)
+    codes = torch.empty(w.shape, dtype=torch.int32, device=w.device)
+    for g in range(n_groups):
+        cols = slice(g * gs, (g + 1) * gs)
+        scales[g] = _group_scale(w[:, cols], config)
+        codes[:, cols] = quantize_codes(w[:, cols], scales[g], zero, config.bits)
+    return QuantizedWeight(codes, scales, zero, g_idx.to(w.device), config.bits, config.group_size)
+
+
+def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, raising ``damp`` until it succeeds."""
+    mean_diag = torch.diag(h).mean()
+    step = 0
+    while True:
+        damp = config.damp + step * config.damp_step
+        if damp > config.max_damp + 1e-9 or (step > 0 and config.damp_step == 0):
+            raise ValueError(
+                f"Cholesky of the damped Hessian failed for every damping fraction from {config.damp} to "
+                f"{config.max_damp} (step {config.damp_step}); the Hessian is not positive semi-definite enough"
+            )
+        hd = h.clone()
+        hd.diagonal().add_(damp * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(hd)
+        if info.item() == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if info.item() == 0 and bool(torch.isfinite(upper).all()):
+                return upper, damp
+        step += 1
+
+
+@torch.no_grad()
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig | None = None) -> GPTQResult:
+    """Quantize ``weight`` [out, in] minimising ``tr((W - W_hat) H (W - W_hat)^T)`` column by column (GPTQ).
+
+    Dead inputs (``H[i, i] == 0``) get ``H[i, i] = 1`` and a zero weight column. Without ``act_order`` the
+    scales of a group are computed when its first column is reached, from the columns as updated by all
+    earlier columns' errors; with ``act_order`` they are computed up front from the original weight.
+    """
+    start = time.perf_counter()
+    config = config or GPTQConfig()
+    dtype = torch.float64 if config.fp64 else torch.float32
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(
+            f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)}: expected [out, in], [in, in]"
+        )
+    w = weight.detach().to(dtype=dtype, copy=True)
+    h = hessian.detach().to(device=w.device, dtype=dtype, copy=True)
+    if not (torch.isfinite(w).all() and torch.isfinite(h).all()):
+        raise ValueError("weight and hessian must be finite")
+    n_out, n = w.shape
+    bits, zero = config.bits, 2 ** (config.bits - 1)
+    gs, n_groups, g_idx = _groups(n, config.group_size)
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+
+    scales = torch.empty(n_groups, n_out, dtype=torch.float16, device=w.device)
+    col_group: list[int] | None = None
+    invperm: torch.Tensor | None = None
+    if config.act_order:
+        for g in range(n_groups):
+            scales[g] = _group_scale(w[:, g * gs : (g + 1) * gs], config)
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w, h = w[:, perm], h[perm][:, perm]
+        col_group, invperm = (perm // gs).tolist(), torch.argsort(perm)
+
+    hinv, damp = _inverse_cholesky(h, config)
+    codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
+    scale = scales[0]
+    for i1 in range(0, n, config.block_size):
+        i2 = min(i1 + config.block_size, n)
+        w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        err1 = torch.zeros_like(w1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col_group is not None:
+                scale = scales[col_group[col]]
+            elif col % gs == 0:
+                # The group's columns with every earlier column's error applied (some may lie past this block).
+                group = w1[:, i : min(col + gs, i2) - i1]
+                if col + gs > i2:
+                    rest = w[:, i2 : col + gs] - err1[:, :i] @ hinv[i1:col, i2 : col + gs]
+                    group = torch.cat([group, rest], dim=1)
+                scales[col // gs] = scale = _group_scale(group, config)
+            q = quantize_codes(w1[:, i], scale, zero, bits)
+            codes[:, col] = q
+            err = (w1[:, i] - _dequant(q, scale, zero, dtype)) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    if invperm is not None:
+        codes = codes[:, invperm]
+    qw = QuantizedWeight(codes, scales, zero, g_idx.to(w.device), bits, config.group_size)
+    loss = weighted_error(weight, qw.dequantize(), hessian)
+    return GPTQResult(qw, loss, damp, time.perf_counter() - start)
+
+
+def weighted_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr((W - W_hat) H (W - W_hat)^T)`` in float64."""
+    d = w.detach().double() - w_hat.detach().to(device=w.device, dtype=torch.float64)
+    h = hessian.detach().to(device=w.device, dtype=torch.float64)
+    return float(((d @ h) * d).sum())
+
+
+def relative_output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``weighted_error / tr(W H W^T)``: relative squared output error on inputs with ``X^T X = H``.
+
+    0.0 when both are zero, ``inf`` when only the denominator is.
+    """
+    num = weighted_error(w, w_hat, hessian)
+    den = weighted_error(w, torch.zeros_like(w), hessian)
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
