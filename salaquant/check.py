@@ -497,3 +497,12 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
 
 
 register_checker("gptq", _check_gptq)
+
+
+def _register_builtin() -> None:
+    from .nvfp4.check import check_modelopt
+
+    register_checker("modelopt", check_modelopt)
+
+
+_register_builtin()

@@ -25,6 +25,26 @@ console = Console()
 err = Console(stderr=True)
 
 
+# options shared by the commands that calibrate
+MaxSamples = Annotated[int | None, typer.Option(help="Keep at most this many samples.")]
+MaxLen = Annotated[int, typer.Option(help="Truncate samples to this many tokens.")]
+MinLen = Annotated[int, typer.Option(help="Drop samples shorter than this.")]
+Shuffle = Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")]
+Seed = Annotated[int, typer.Option(help="Shuffle seed.")]
+Field = Annotated[str | None, typer.Option(help="Record field holding the text.")]
+ChunkTokens = Annotated[int, typer.Option(help="Tokens per chunk for long samples.")]
+Device = Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")]
+Resume = Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")]
+Overwrite = Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")]
+ShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")]
+SmoothAlpha = Annotated[float, typer.Option(help="SmoothQuant migration strength.")]
+NoSmooth = Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")]
+Exclude = Annotated[list[str] | None, typer.Option(help="Keep linears matching this regex in bf16.")]
+Propagate = Annotated[str, typer.Option(help="quantized or float: what the next layer calibrates on.")]
+Input = Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")]
+Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")]
+
+
 def fail(message: str, code: int = 2) -> None:
     err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
@@ -47,7 +67,7 @@ def tiny(
     std: Annotated[float, typer.Option(help="Standard deviation of the random linear/embedding weights.")] = 0.02,
     device: Annotated[str, typer.Option(help="Where to draw the random numbers (cpu or cuda).")] = "cpu",
     shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 4GB or 500MB.")] = "4GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
     from .model.tiny import preset_config, write_random_checkpoint
@@ -178,21 +198,21 @@ def inspect(
 
 @app.command()
 def calibrate(
-    input: Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")],
+    input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the statistics.")],
-    calib: Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")],
-    max_samples: Annotated[int | None, typer.Option(help="Keep at most this many samples.")] = None,
-    max_len: Annotated[int, typer.Option(help="Truncate samples to this many tokens.")] = 131072,
-    min_len: Annotated[int, typer.Option(help="Drop samples shorter than this.")] = 1,
-    shuffle: Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")] = False,
-    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
-    field: Annotated[str | None, typer.Option(help="Record field holding the text.")] = None,
-    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk for long samples.")] = 8192,
-    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    calib: Calib,
+    max_samples: MaxSamples = None,
+    max_len: MaxLen = 131072,
+    min_len: MinLen = 1,
+    shuffle: Shuffle = False,
+    seed: Seed = 0,
+    field: Field = None,
+    chunk_tokens: ChunkTokens = 8192,
+    device: Device = "auto",
     hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
     hessian_dtype: Annotated[str, typer.Option(help="fp32 or fp64 accumulation.")] = "fp32",
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
     from .calibrate_command import run_calibrate
@@ -219,28 +239,25 @@ def calibrate(
         fail(str(exc))
 
 
-Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")]
-
-
 @app.command("gptq")
 def gptq_command(
-    input: Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")],
+    input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the GPTQ checkpoint.")],
     calib: Calib,
-    max_samples: Annotated[int | None, typer.Option(help="Keep at most this many samples.")] = 96,
-    max_len: Annotated[int, typer.Option(help="Truncate samples to this many tokens.")] = 131072,
-    min_len: Annotated[int, typer.Option(help="Drop samples shorter than this.")] = 1,
-    shuffle: Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")] = False,
-    seed: Annotated[int, typer.Option(help="Shuffle seed.")] = 0,
-    field: Annotated[str | None, typer.Option(help="Record field holding the text.")] = None,
+    max_samples: MaxSamples = 96,
+    max_len: MaxLen = 131072,
+    min_len: MinLen = 1,
+    shuffle: Shuffle = False,
+    seed: Seed = 0,
+    field: Field = None,
     bits: Annotated[int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")] = 4,
     group_size: Annotated[int, typer.Option(help="Inputs per scale group: -1, 32, 64 or 128.")] = 128,
     minicpm4_bits: Annotated[int | None, typer.Option(help="Bits of the minicpm4 (sparse) layers.")] = None,
     lightning_bits: Annotated[int | None, typer.Option(help="Bits of the lightning layers.")] = None,
     layer_bits: Annotated[str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')] = "",
-    exclude: Annotated[list[str] | None, typer.Option(help="Keep linears matching this regex in bf16.")] = None,
-    smooth_alpha: Annotated[float, typer.Option(help="SmoothQuant migration strength.")] = 0.5,
-    no_smooth: Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")] = False,
+    exclude: Exclude = None,
+    smooth_alpha: SmoothAlpha = 0.5,
+    no_smooth: NoSmooth = False,
     damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = 0.01,
     act_order: Annotated[bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")] = False,
     mse: Annotated[bool, typer.Option(help="Search clipped scales minimising the squared error.")] = False,
@@ -252,18 +269,16 @@ def gptq_command(
         "gptq"
     ),
     quantize_lm_head: Annotated[bool, typer.Option(help="Quantize lm_head too.")] = False,
-    propagate: Annotated[str, typer.Option(help="quantized or float: what the next layer calibrates on.")] = (
-        "quantized"
-    ),
-    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk for long samples.")] = 8192,
-    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    propagate: Propagate = "quantized",
+    chunk_tokens: ChunkTokens = 8192,
+    device: Device = "auto",
     tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = 1,
     marlin_fallback: Annotated[
         bool, typer.Option(help="Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail).")
     ] = True,
-    shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")] = "4GB",
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")] = False,
+    shard_size: ShardSize = "4GB",
+    resume: Resume = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
     from .calibration import CalibOptions
@@ -306,6 +321,62 @@ def gptq_command(
                 resume=resume,
                 overwrite=overwrite,
                 marlin_fallback=marlin_fallback,
+            ),
+            console,
+        )
+    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+@app.command("nvfp4")
+def nvfp4_command(
+    input: Input,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the NVFP4 checkpoint.")],
+    calib: Calib,
+    max_samples: MaxSamples = 96,
+    max_len: MaxLen = 131072,
+    min_len: MinLen = 1,
+    shuffle: Shuffle = False,
+    seed: Seed = 0,
+    field: Field = None,
+    dense_all: Annotated[bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")] = False,
+    exclude: Exclude = None,
+    mse_iters: Annotated[int, typer.Option(help="Block-scale search steps (0: plain scales).")] = 80,
+    mse_max_shrink: Annotated[float, typer.Option(help="Smallest tried block scale = 1 - this.")] = 0.6,
+    smooth_alpha: SmoothAlpha = 0.5,
+    no_smooth: NoSmooth = False,
+    propagate: Propagate = "quantized",
+    chunk_tokens: ChunkTokens = 8192,
+    device: Device = "auto",
+    shard_size: ShardSize = "4GB",
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+) -> None:
+    """SmoothQuant + block-scale search NVFP4, exported in ModelOpt's format for SGLang / vLLM modelopt_fp4."""
+    from .calibration import CalibOptions
+    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from .nvfp4.layer import NVFP4LayerOptions
+
+    try:
+        run_nvfp4(
+            input,
+            output,
+            calib,
+            CalibOptions(
+                max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+            ),
+            NVFP4LayerOptions(
+                mse_iters=mse_iters, mse_max_shrink=mse_max_shrink, smooth_alpha=None if no_smooth else smooth_alpha
+            ),
+            NVFP4RunOptions(
+                dense_all=dense_all,
+                exclude=tuple(exclude or ()),
+                device=device,
+                chunk_tokens=chunk_tokens,
+                propagate=propagate,
+                max_shard_bytes=parse_size(shard_size),
+                resume=resume,
+                overwrite=overwrite,
             ),
             console,
         )

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from .calibration import CalibOptions, CalibSet, load_calibration
+
+if TYPE_CHECKING:
+    from .pipeline import CalibrationEngine, EngineResult
 
 
 def work_dir_for(output: Path) -> Path:
@@ -36,3 +39,26 @@ def prepare_calibration(model: Path, sources: list[str], options: CalibOptions, 
     data = load_calibration(sources, load_tokenizer(model), options)
     data.render_summary(console)
     return data
+
+
+def run_report(
+    engine: CalibrationEngine, data: CalibSet, result: EngineResult, seconds: float, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """The common part of ``quant_report.json``: versions, device, data, timings, per-layer reports."""
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    return {
+        "salaquant": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(engine.device),
+        "calibration": data.summary(),
+        "timings_s": {**result.timings, "calibrate_and_quantize": seconds},
+        "layer_seconds": result.layer_seconds,
+        "summary": summary,
+        "layers": result.reports,
+    }

@@ -423,9 +423,9 @@ def test_checker_non_monotonic_g_idx(tmp_path: Path) -> None:
 
 
 def test_checker_unknown_method_and_registry(tmp_path: Path) -> None:
-    folder = _write_ckpt(tmp_path / "ck", qc={"quant_method": "modelopt"})
+    folder = _write_ckpt(tmp_path / "ck", qc={"quant_method": "awq"})
     assert "gptq" in CHECKERS
-    assert "unsupported quant_method 'modelopt'" in _error(folder)
+    assert "unsupported quant_method 'awq'" in _error(folder)
     with pytest.raises(CheckError, match="tensor-parallel"):
         check_checkpoint(folder, tp=0)
 

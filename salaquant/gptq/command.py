@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import platform
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from .. import __version__
 from ..calibration import CalibOptions
 from ..check import check_checkpoint
+from ..export import export_checkpoint
 from ..model.config import SalaConfig
 from ..pipeline import CalibrationEngine, EngineOptions
-from ..workflow import check_output, prepare_calibration, work_dir_for
-from .export import export_gptq, quantization_config
+from ..workflow import check_output, prepare_calibration, run_report, work_dir_for
+from .config import quantization_config
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
 from .packing import pack_gptq_v1
 from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
@@ -142,24 +140,14 @@ def run_gptq(
         "hessian_weighting": layer.hessian_weighting,
     }
     qconfig = quantization_config(config, plan, bits.group_size, run.quantize_lm_head, meta)
-    report = {
-        "salaquant": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(engine.device),
-        "calibration": data.summary(),
-        "timings_s": {**result.timings, "calibrate_and_quantize": t_calib},
-        "summary": summary,
-        "layers": result.reports,
-        "lm_head": lm_report,
-    }
+    report = {**run_report(engine, data, result, t_calib, summary), "lm_head": lm_report}
     t1 = time.perf_counter()
-    export_gptq(
+    export_checkpoint(
         model,
         output,
         result,
         qconfig,
-        {"quant_report.json": report, "salaquant_settings.json": settings},
+        {"quantize_config.json": qconfig, "quant_report.json": report, "salaquant_settings.json": settings},
         lm_head_tensors=lm_tensors,
         max_shard_bytes=run.max_shard_bytes,
         overwrite=run.overwrite,

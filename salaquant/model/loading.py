@@ -56,7 +56,8 @@ def _fill(
 
 
 def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A dense tensor; linears stored as GPTQ v1 (``qweight`` ...) are dequantized to bfloat16."""
+    """A dense tensor; linears stored as GPTQ v1 (``qweight`` ...) or NVFP4 (uint8 ``weight`` + scales) are
+    dequantized to bfloat16."""
     module = name.removesuffix(".weight")
     if name not in reader and f"{module}.qweight" in reader:
         qconfig = reader.config().get("quantization_config") or {}
@@ -65,6 +66,18 @@ def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) ->
         from ..gptq.dequant import dequantized_weight
 
         return dequantized_weight(reader, module, qconfig, shape)
+    if name in reader and reader.dtype(name) == torch.uint8 and f"{module}.weight_scale" in reader:
+        from ..nvfp4.numerics import NVFP4Weight
+
+        q = NVFP4Weight(
+            weight=reader.get(name),
+            weight_scale=reader.get(f"{module}.weight_scale"),
+            weight_scale_2=reader.get(f"{module}.weight_scale_2"),
+        )
+        w = q.dequantize()
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"{module}: NVFP4 tensors decode to shape {list(w.shape)}, expected {list(shape)}")
+        return w.to(torch.bfloat16)
     return reader.get_checked(name, shape)
 
 
@@ -81,7 +94,8 @@ def _check_keys(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) 
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"{reader.path}: tensors missing from the checkpoint: {missing[:5]}{more}")
-    extra = sorted(keys - set(expected))
+    scale_suffixes = (".weight_scale", ".weight_scale_2", ".input_scale")
+    extra = sorted(k for k in keys - set(expected) if not k.endswith(scale_suffixes))
     if extra:
         log.warning("%s: %d tensors not used by the SALA model, e.g. %s", reader.path, len(extra), extra[:3])
 

@@ -1,48 +1,19 @@
-"""Write a GPTQ W4A16 checkpoint (GPTQ v1 layout) that vLLM / SGLang load with gptq_marlin."""
+"""Write a quantized SALA checkpoint: source globals + the engine's per-layer tensors + configs and reports."""
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import __version__
-from ..model.checkpoint import CheckpointReader, CheckpointWriter
-from ..model.config import SalaConfig
-from ..model.layout import global_parameter_shapes
-from ..pipeline import EngineResult
-from .dynamic import LinearPlan, build_dynamic
+from .model.checkpoint import CheckpointReader, CheckpointWriter
+from .model.config import SalaConfig
+from .model.layout import global_parameter_shapes
+from .pipeline import EngineResult
 
 
-def quantization_config(
-    config: SalaConfig, plan: dict[str, LinearPlan], group_size: int, lm_head: bool, meta: dict[str, Any]
-) -> dict[str, Any]:
-    """The ``quantization_config`` / ``quantize_config.json`` dict: top-level bits = the most common bits."""
-    counts = Counter(p.bits for p in plan.values() if p.bits is not None)
-    if not counts:
-        raise ValueError("the plan quantizes no linear: nothing to export as GPTQ")
-    default_bits = counts.most_common(1)[0][0]
-    dynamic = build_dynamic(plan, default_bits, group_size, config.num_hidden_layers)
-    out: dict[str, Any] = {
-        "quant_method": "gptq",
-        "bits": default_bits,
-        "group_size": group_size,
-        "desc_act": False,
-        "sym": True,
-        "checkpoint_format": "gptq",
-        "lm_head": lm_head,
-        "pack_dtype": "int32",
-        "meta": {"quantizer": [f"salaquant:{__version__}"], **meta},
-    }
-    if dynamic:
-        out["dynamic"] = dynamic
-    return out
-
-
-def export_gptq(
+def export_checkpoint(
     source: Path,
     output: Path,
     result: EngineResult,
@@ -54,8 +25,8 @@ def export_gptq(
     overwrite: bool = False,
 ) -> Path:
     """Embeddings, final norm and (unless quantized) lm_head from the source; every decoder layer from the
-    engine's work folder; config with ``quantization_config``, ``quantize_config.json``, tokenizer and
-    remote-code files, and ``extra_files`` (reports, resolved settings) as JSON."""
+    engine's work folder; ``config.json`` with ``quantization_config``; tokenizer and remote-code files;
+    ``extra_files`` (format configs, reports, resolved settings) as JSON."""
     reader = CheckpointReader(source)
     config = SalaConfig.from_dict(reader.config())
     shapes = global_parameter_shapes(config)
@@ -77,7 +48,6 @@ def export_gptq(
         raw["quantization_config"] = qconfig
         raw.setdefault("torch_dtype", "bfloat16")
         writer.write_json("config.json", raw)
-        writer.write_json("quantize_config.json", qconfig)
         for name, obj in extra_files.items():
             writer.write_json(name, obj)
         writer.copy_aux(source)
@@ -85,7 +55,3 @@ def export_gptq(
         if log.exists():
             (writer.tmp_dir / "quantize.log").write_text(log.read_text())
     return output
-
-
-def read_quantization_config(path: Path) -> dict[str, Any]:
-    return json.loads((path / "config.json").read_text())["quantization_config"]

@@ -1,0 +1,116 @@
+"""``salaquant nvfp4``: calibration -> 3-group SmoothQuant -> block-scale search -> ModelOpt NVFP4 export -> check."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..calibration import CalibOptions
+from ..check import check_checkpoint
+from ..export import export_checkpoint
+from ..model.config import SalaConfig
+from ..pipeline import CalibrationEngine, EngineOptions
+from ..workflow import check_output, prepare_calibration, run_report, work_dir_for
+from .config import flat_quantization_config, hf_quant_config
+from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
+from .plan import build_nvfp4_plan
+
+
+@dataclass(frozen=True)
+class NVFP4RunOptions:
+    dense_all: bool = False
+    exclude: tuple[str, ...] = ()
+    device: str = "auto"
+    chunk_tokens: int = 8192
+    propagate: str = "quantized"
+    max_shard_bytes: int = 4 * 10**9
+    resume: bool = False
+    overwrite: bool = False
+    show_progress: bool = True
+
+
+def _summary(reports: list[dict[str, Any]]) -> tuple[Table, dict[str, dict[str, float]]]:
+    acc: dict[str, list[tuple[float, float, float]]] = {}
+    for rep in reports:
+        for name, lin in rep.get("linears", {}).items():
+            if lin.get("format") == "nvfp4":
+                acc.setdefault(f"{rep['kind']} {name}", []).append(
+                    (lin["rel_err"], lin["rel_err_plain_scales"], lin["seconds"])
+                )
+    table = Table(title="Relative weighted error (diag-H) on the calibration inputs, mean over layers")
+    for col in ("linear", "layers", "searched", "plain scales", "ratio", "search s"):
+        table.add_column(col, justify="left" if col == "linear" else "right")
+    out: dict[str, dict[str, float]] = {}
+    for key in sorted(acc):
+        n = len(acc[key])
+        a, b, t = (sum(v[k] for v in acc[key]) / n for k in range(3))
+        out[key] = {"searched": a, "plain": b}
+        table.add_row(key, str(n), f"{a:.3e}", f"{b:.3e}", f"{a / b:.3f}" if b else "-", f"{t:.3f}")
+    return table, out
+
+
+def run_nvfp4(
+    model: Path,
+    output: Path,
+    sources: list[str],
+    calib: CalibOptions,
+    layer: NVFP4LayerOptions,
+    run: NVFP4RunOptions,
+    console: Console,
+) -> Path:
+    check_output(output, run.overwrite, run.resume)
+    config = SalaConfig.from_file(model)
+    plan = build_nvfp4_plan(config, run.dense_all, run.exclude)  # bad exclusions fail before any work
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    exclude_modules = plan.exclude_modules(config)
+    data = prepare_calibration(model, sources, calib, console)
+    settings = {
+        "method": "nvfp4",
+        "dense_all": run.dense_all,
+        "exclude": list(run.exclude),
+        "nvfp4": dataclasses.asdict(layer),
+        "calibration": dataclasses.asdict(calib),
+    }
+    engine_opts = EngineOptions(
+        device=run.device,
+        chunk_tokens=run.chunk_tokens,
+        propagate=run.propagate,
+        hessian=False,
+        show_progress=run.show_progress,
+    )
+    engine = CalibrationEngine(model, [s.ids for s in data.samples], work_dir_for(output), engine_opts, settings)
+    t0 = time.perf_counter()
+    result = engine.run(NVFP4LayerQuantizer(config, plan, layer), resume=run.resume)
+    t_calib = time.perf_counter() - t0
+    table, summary = _summary(result.reports)
+    console.print(table)
+    qconfig = flat_quantization_config(exclude_modules)
+    report = run_report(engine, data, result, t_calib, summary)
+    export_checkpoint(
+        model,
+        output,
+        result,
+        qconfig,
+        {
+            "hf_quant_config.json": hf_quant_config(exclude_modules),
+            "quant_report.json": report,
+            "salaquant_settings.json": settings,
+        },
+        max_shard_bytes=run.max_shard_bytes,
+        overwrite=run.overwrite,
+    )
+    check = check_checkpoint(output)
+    shutil.rmtree(work_dir_for(output), ignore_errors=True)
+    console.print(
+        f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
+        f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
+    )
+    return output

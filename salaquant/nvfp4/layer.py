@@ -1,0 +1,134 @@
+"""NVFP4 for one SALA decoder layer: 3-group SmoothQuant, fused global scales, block-scale search.
+
+Plugged into the calibration engine as its quantizer (statistics without full Hessians: the search
+weighs each input column by its mean x^2, the diagonal of the Hessian). Shared ``weight_scale_2`` and
+``input_scale`` across every fused parameter (q/k/v, gate/up), block scales computed against the shared
+value, every scale folded (no ``pre_quant_scale``). The layer handed back carries the dequantized weights
+(weight-only fake quantization), so the next layer calibrates on quantized outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..model.config import SalaConfig
+from ..model.layout import FUSED_PARAMETERS, input_groups
+from ..model.modeling import DecoderLayer
+from ..pipeline import LayerResult
+from ..smooth.fold import fold_scales, smooth_scales, smoothable
+from ..stats import LayerStats
+from .numerics import global_scale, input_scale, quantize_nvfp4, search_block_scales
+from .plan import NVFP4Plan
+
+NVFP4_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in")  # not up_proj -> down_proj
+_TINY = torch.finfo(torch.float32).tiny  # an all-zero weight gets a positive global scale, not 0/0 block scales
+
+
+@dataclass(frozen=True)
+class NVFP4LayerOptions:
+    mse_iters: int = 80  # 0: plain block scales
+    mse_max_shrink: float = 0.6
+    smooth_alpha: float | None = 0.5
+
+
+def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:
+    return float(((w.double() - w_hat.double()) ** 2 * importance.double()[None, :]).sum())
+
+
+class NVFP4LayerQuantizer:
+    def __init__(self, config: SalaConfig, plan: NVFP4Plan, options: NVFP4LayerOptions) -> None:
+        if options.mse_iters < 0 or not 0.0 <= options.mse_max_shrink < 1.0:
+            raise ValueError("--mse-iters must be >= 0 and --mse-max-shrink in [0, 1)")
+        self.config = config
+        self.plan = plan
+        self.opts = options
+
+    @torch.no_grad()
+    def smooth(
+        self, index: int, layer: DecoderLayer, stats: LayerStats, report: dict[str, Any] | None = None
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Fold SmoothQuant scales into the layer's groups whose members are all quantized; returns each
+        group's per-channel (absmax, mean x^2) as seen by the smoothed linears."""
+        prefix = f"model.layers.{index}."
+        act: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g in input_groups(self.config, layer.kind):
+            st = stats[g.name]
+            absmax, msq = st.absmax.float(), st.mean_sq()
+            members_q = [prefix + m in self.plan.quantized for m in g.members]
+            if (
+                self.opts.smooth_alpha is not None
+                and all(members_q)
+                and smoothable(g)
+                and g.name in NVFP4_SMOOTH_GROUPS
+            ):
+                s = smooth_scales(
+                    msq.sqrt(), [layer.get_submodule(m).weight for m in g.members], self.opts.smooth_alpha
+                )
+                fold_scales(layer, g, s)
+                s = s.to(absmax.device)
+                absmax, msq = absmax / s, msq / s**2
+                if report is not None:
+                    report[g.name] = float(s.max() / s.min())
+            act[g.name] = (absmax, msq)
+        return act
+
+    @torch.no_grad()
+    def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
+        prefix = f"model.layers.{index}."
+        report: dict[str, Any] = {"layer": index, "kind": layer.kind, "linears": {}, "smooth_scale_range": {}}
+        tensors: dict[str, torch.Tensor] = {}
+        act = self.smooth(index, layer, stats, report["smooth_scale_range"])
+
+        fused_of = {m: fused for fused, ms in FUSED_PARAMETERS.items() for m in ms}
+        shared_ws2: dict[str, torch.Tensor] = {}
+        for fused, ms in FUSED_PARAMETERS.items():
+            if all(prefix + m in self.plan.quantized for m in ms):
+                amax = torch.stack([layer.get_submodule(m).weight.detach().float().abs().amax() for m in ms]).amax()
+                shared_ws2[fused] = global_scale(amax.clamp(min=_TINY))
+
+        for g in input_groups(self.config, layer.kind):
+            absmax, msq = act[g.name]
+            in_scale = input_scale(absmax.amax())
+            for m in g.members:
+                mod = layer.get_submodule(m)
+                if prefix + m not in self.plan.quantized:
+                    tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
+                    report["linears"][m] = {"format": "bf16"}
+                    continue
+                w = mod.weight.data.float()
+                ws2 = shared_ws2.get(fused_of.get(m, ""))
+                ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
+                t0 = time.perf_counter()
+                plain = quantize_nvfp4(w, weight_scale_2=ws2)
+                err_plain = _weighted_error(w, plain.dequantize(), msq)
+                q = plain
+                if self.opts.mse_iters > 0:
+                    found = search_block_scales(
+                        w, ws2, msq, iters=self.opts.mse_iters, max_shrink=self.opts.mse_max_shrink
+                    )
+                    q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=found.scales)
+                if w.is_cuda:
+                    torch.cuda.synchronize(w.device)
+                seconds = time.perf_counter() - t0
+                w_hat = q.dequantize()
+                err = _weighted_error(w, w_hat, msq)
+                total = _weighted_error(w, torch.zeros_like(w), msq)
+                mod.weight.data = w_hat.to(mod.weight.dtype)
+                tensors[f"{m}.weight"] = q.weight.cpu()
+                tensors[f"{m}.weight_scale"] = q.weight_scale.cpu()
+                tensors[f"{m}.weight_scale_2"] = q.weight_scale_2.reshape(()).float().cpu().clone()
+                tensors[f"{m}.input_scale"] = in_scale.reshape(()).float().cpu().clone()
+                report["linears"][m] = {
+                    "format": "nvfp4",
+                    "rel_err": err / total if total > 0 else 0.0,
+                    "rel_err_plain_scales": err_plain / total if total > 0 else 0.0,
+                    "seconds": seconds,
+                }
+        for name, module in layer.named_modules():
+            if name.endswith("norm") and hasattr(module, "weight"):
+                tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
+        return LayerResult(layer=layer, tensors=tensors, report=report)

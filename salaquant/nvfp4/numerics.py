@@ -1,0 +1,298 @@
+"""NVFP4 weight numerics, bit-identical to ModelOpt's ``NVFP4QTensor`` (pure-torch path).
+
+Per quantized linear with weight ``[out, in]`` (``in % 16 == 0``):
+
+* ``weight`` uint8 ``[out, in / 2]``: two E2M1 codes per byte, the even input column in the low nibble;
+* ``weight_scale`` float8_e4m3fn ``[out, in / 16]``: per-block scale
+  ``fp8(clamp(block_amax / (6 * weight_scale_2), 2**-9, 448))``, all-zero blocks get 1.0;
+* ``weight_scale_2`` fp32 scalar: ``amax / (6 * 448)``.
+
+A code is ``sign << 3 | idx`` with ``idx`` indexing ``E2M1_GRID``; the dequantized weight is
+``value(code) * (float(weight_scale) * weight_scale_2)``. Codes come from ``w / (float(weight_scale) * weight_scale_2)``
+rounded to the nearest grid point, ties to the even mantissa, saturating at 6. All arithmetic is fp32
+(bf16 / fp16 weights are upcast exactly).
+
+An all-zero tensor has ``weight_scale_2 == 0``; as in ModelOpt, its block scales are then ``0 / 0`` (NaN) and
+its codes saturate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "E2M1_GRID",
+    "FP4_MAX",
+    "FP8_MAX",
+    "FP8_MIN_SCALE",
+    "NVFP4Weight",
+    "SearchResult",
+    "block_scales",
+    "e2m1_codes",
+    "e2m1_values",
+    "global_scale",
+    "input_scale",
+    "pack_nibbles",
+    "quantize_nvfp4",
+    "search_block_scales",
+    "shrink_factors",
+    "unpack_nibbles",
+]
+
+E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of the E2M1 codes 0-7 (codes 8-15 are their negatives)."""
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 2.0**-9
+"""Smallest block scale (the smallest positive FP8 E4M3 subnormal); smaller scales are raised to it."""
+BLOCK = 16
+
+# Midpoints between neighbouring grid magnitudes; a magnitude exactly on a midpoint whose upper neighbour
+# has the even mantissa (1.0, 2.0, 4.0) rounds up, the others (0.25, 1.25, 2.5, 5.0) round down.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_ROUND_UP_MIDPOINTS = (0.75, 1.75, 3.5)
+_GLOBAL_DIVISOR = FP4_MAX * FP8_MAX  # 2688
+
+
+def _fp32(x: torch.Tensor | float, device: torch.device | None = None) -> torch.Tensor:
+    """``x`` as an fp32 tensor (on ``device`` when given)."""
+    return torch.as_tensor(x, dtype=torch.float32, device=device)
+
+
+def _scalar_scale(weight_scale_2: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A global scale as a 0-d fp32 tensor on ``device``; ValueError unless it has one element."""
+    s2 = _fp32(weight_scale_2, device)
+    if s2.numel() != 1:
+        raise ValueError(f"weight_scale_2 must be a scalar, got shape {tuple(s2.shape)}")
+    return s2.reshape(())
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    """ValueError unless ``w`` is a floating ``[out, in]`` tensor with ``in % BLOCK == 0``."""
+    if w.dim() != 2:
+        raise ValueError(f"NVFP4 weight must be 2-D [out, in], got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"NVFP4 weight must be floating point, got {w.dtype}")
+    if w.shape[1] % BLOCK != 0:
+        raise ValueError(f"NVFP4 needs the input dim to be a multiple of {BLOCK}, got in={w.shape[1]}")
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """fp32 view of ``w [out, in]`` as ``[out, in / BLOCK, BLOCK]``."""
+    return w.float().reshape(w.shape[0], w.shape[1] // BLOCK, BLOCK)
+
+
+def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """Per-tensor scale ``weight_scale_2 = amax / (6 * 448)`` in fp32 (0 for amax 0, as ModelOpt)."""
+    return _fp32(amax) / _GLOBAL_DIVISOR
+
+
+def input_scale(act_amax: torch.Tensor | float) -> torch.Tensor:
+    """Static activation scale ``act_amax / (6 * 448)`` in fp32."""
+    return _fp32(act_amax) / _GLOBAL_DIVISOR
+
+
+def _raw_block_scales(block_amax: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """Unrounded block scales ``block_amax / (6 * weight_scale_2)`` in fp32."""
+    return block_amax / (FP4_MAX * weight_scale_2)
+
+
+def _round_block_scales(raw: torch.Tensor) -> torch.Tensor:
+    """Zero scales to 1.0, clamp to ``[2**-9, 448]``, round to float8_e4m3fn (nearest-even)."""
+    raw = torch.where(raw == 0, torch.ones_like(raw), raw)
+    return raw.clamp(min=FP8_MIN_SCALE, max=FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def block_scales(
+    w: torch.Tensor, weight_scale_2: torch.Tensor | float, shrink: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float8_e4m3fn ``[out, in / 16]`` block scales of ``w [out, in]`` against ``weight_scale_2``.
+
+    ``shrink`` (broadcastable to ``[out, in / 16]``) multiplies the unrounded scale before the FP8 rounding.
+    """
+    _check_weight(w)
+    s2 = _scalar_scale(weight_scale_2, w.device)
+    raw = _raw_block_scales(_blocks(w).abs().amax(dim=-1), s2)
+    if shrink is not None:
+        raw = raw * _fp32(shrink, w.device)
+    return _round_block_scales(raw)
+
+
+def _e2m1_index(magnitude: torch.Tensor) -> torch.Tensor:
+    """Grid index (int64, 0-7) of the nearest E2M1 magnitude, ties to even, saturating at 6 (NaN -> 7)."""
+    midpoints = torch.tensor(_MIDPOINTS, dtype=magnitude.dtype, device=magnitude.device)
+    # Number of midpoints strictly below the magnitude, i.e. the round-half-down index.
+    idx = torch.bucketize(magnitude, midpoints, right=False)
+    for m in _ROUND_UP_MIDPOINTS:
+        idx = idx + (magnitude == m).to(idx.dtype)
+    return idx
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of ``x`` (already divided by its scales): ``sign << 3 | grid index``.
+
+    Rounds to the nearest grid magnitude with ties to even and saturates at 6; ``-0.0`` has sign 0, a negative
+    value that rounds to zero keeps sign 1 (code 8).
+    """
+    x = x.float()
+    sign = (x < 0).to(torch.uint8)
+    return (sign << 3) | _e2m1_index(x.abs()).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 ``codes`` (uint8 in [0, 15])."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    table = torch.cat([grid, -grid])
+    return table[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit ``codes [..., n]`` (n even) into uint8 ``[..., n / 2]``, even element in the low nibble."""
+    if codes.shape[-1] % 2 != 0:
+        raise ValueError(f"cannot pack an odd number of codes ({codes.shape[-1]}) into bytes")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_nibbles``: uint8 ``[..., n]`` to uint8 codes ``[..., 2 n]``."""
+    p = packed.to(torch.uint8)
+    return torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+
+
+def _dequant_blocks(codes: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """fp32 ``value(codes) * (scale * weight_scale_2)`` for ``codes [out, nb, 16]``, ``scale_fp32 [out, nb]``."""
+    return e2m1_values(codes) * (scale_fp32 * weight_scale_2).unsqueeze(-1)
+
+
+def _block_codes(wb: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of fp32 blocks ``wb [out, nb, 16]`` under block scales ``scale_fp32 [out, nb]``."""
+    return e2m1_codes(wb / (scale_fp32 * weight_scale_2).unsqueeze(-1))
+
+
+@dataclass
+class NVFP4Weight:
+    """One NVFP4-quantized weight in ModelOpt's export layout."""
+
+    weight: torch.Tensor
+    """uint8 ``[out, in / 2]`` packed E2M1 codes."""
+    weight_scale: torch.Tensor
+    """float8_e4m3fn ``[out, in / 16]`` block scales."""
+    weight_scale_2: torch.Tensor
+    """fp32 scalar global scale."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape ``(out, in)`` of the unquantized weight."""
+        return self.weight.shape[0], self.weight.shape[1] * 2
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[out, in]`` weight: ``value(code) * (float(weight_scale) * weight_scale_2)``, computed in fp32."""
+        out, n = self.shape
+        codes = unpack_nibbles(self.weight).reshape(out, n // BLOCK, BLOCK)
+        deq = _dequant_blocks(codes, self.weight_scale.float(), self.weight_scale_2.float())
+        return deq.reshape(out, n).to(dtype)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor,
+    weight_scale_2: torch.Tensor | float | None = None,
+    block_scale: torch.Tensor | None = None,
+) -> NVFP4Weight:
+    """Quantize ``w [out, in]`` to NVFP4.
+
+    ``weight_scale_2`` defaults to ``global_scale(w.abs().amax())``; a given one (e.g. shared across fused
+    q/k/v or gate/up) is used as is. ``block_scale`` (float8_e4m3fn ``[out, in / 16]``, e.g. from
+    ``search_block_scales``) defaults to ``block_scales(w, weight_scale_2)``.
+    """
+    _check_weight(w)
+    out, n = w.shape
+    if weight_scale_2 is None:
+        s2 = global_scale(w.abs().amax()).to(w.device)
+    else:
+        s2 = _scalar_scale(weight_scale_2, w.device)
+    if block_scale is None:
+        block_scale = block_scales(w, s2)
+    else:
+        if block_scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"block_scale must be float8_e4m3fn, got {block_scale.dtype}")
+        if tuple(block_scale.shape) != (out, n // BLOCK):
+            raise ValueError(f"block_scale must have shape {(out, n // BLOCK)}, got {tuple(block_scale.shape)}")
+        block_scale = block_scale.to(w.device)
+    codes = _block_codes(_blocks(w), block_scale.float(), s2).reshape(out, n)
+    return NVFP4Weight(weight=pack_nibbles(codes), weight_scale=block_scale, weight_scale_2=s2)
+
+
+@dataclass
+class SearchResult:
+    """Searched block scales and the importance-weighted squared error before and after the search."""
+
+    scales: torch.Tensor
+    """float8_e4m3fn ``[out, in / 16]`` block scales."""
+    error_plain: float
+    """``sum (w - w_hat)^2 * importance`` with the plain ``block_scales``."""
+    error_searched: float
+    """The same with ``scales``; never larger than ``error_plain``."""
+
+
+def shrink_factors(iters: int, max_shrink: float) -> list[float]:
+    """The ``iters`` shrink factors ``1 - max_shrink * t / (iters - 1)``, from 1.0 down to ``1 - max_shrink``."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if not 0.0 <= max_shrink < 1.0:
+        raise ValueError(f"max_shrink must be in [0, 1), got {max_shrink}")
+    if iters == 1:
+        return [1.0]
+    return [1.0 - max_shrink * t / (iters - 1) for t in range(iters)]
+
+
+def search_block_scales(
+    w: torch.Tensor,
+    weight_scale_2: torch.Tensor | float,
+    importance: torch.Tensor,
+    iters: int = 80,
+    max_shrink: float = 0.6,
+) -> SearchResult:
+    """Per-block search of the shrink factor minimising ``sum_j (w_j - w_hat_j)^2 * importance_j``.
+
+    Each candidate scale is ``block_scales(w, weight_scale_2, shrink=f)`` for ``f`` in
+    ``shrink_factors(iters, max_shrink)``; a block keeps the first (largest) factor reaching its least error, so
+    ``f = 1`` (the plain scale) wins ties. ``importance [in]`` (e.g. the Hessian diagonal) must be ``>= 0``.
+    All blocks are processed together, one pass per factor.
+    """
+    _check_weight(w)
+    factors = shrink_factors(iters, max_shrink)
+    n = w.shape[1]
+    imp = _fp32(importance, w.device)
+    if tuple(imp.shape) != (n,):
+        raise ValueError(f"importance must have shape ({n},), got {tuple(imp.shape)}")
+    if bool((imp < 0).any()) or not bool(torch.isfinite(imp).all()):
+        raise ValueError("importance must be finite and >= 0")
+    imp = imp.reshape(1, n // BLOCK, BLOCK)
+    s2 = _scalar_scale(weight_scale_2, w.device)
+    wb = _blocks(w)
+    raw = _raw_block_scales(wb.abs().amax(dim=-1), s2)
+
+    best_bits = torch.empty(0)
+    best_err = torch.empty(0)
+    plain_err = torch.empty(0)
+    for t, f in enumerate(factors):
+        scale = _round_block_scales(raw * f)
+        scale_fp32 = scale.float()
+        w_hat = _dequant_blocks(_block_codes(wb, scale_fp32, s2), scale_fp32, s2)
+        err = ((wb - w_hat) ** 2 * imp).sum(dim=-1)
+        bits = scale.view(torch.uint8)
+        if t == 0:
+            best_bits, best_err, plain_err = bits, err, err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_bits = torch.where(better, bits, best_bits)
+    return SearchResult(
+        scales=best_bits.view(torch.float8_e4m3fn),
+        error_plain=float(plain_err.double().sum()),
+        error_searched=float(best_err.double().sum()),
+    )
