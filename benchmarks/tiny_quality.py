@@ -15,6 +15,7 @@ from rich.table import Table
 
 from salaquant.calibration import CalibOptions
 from salaquant.model.loading import load_model
+from salaquant.perplexity import compare_models as compare
 from salaquant.perplexity import encode_stream, windows
 from salaquant.workflow import load_tokenizer
 
@@ -24,23 +25,6 @@ CALIB = str(ROOT / "calib" / "sala-tiny-calib.jsonl")
 
 # a variant: (name, function(output folder, calibration options, quiet console) that writes the export)
 Variant = tuple[str, Callable[[Path, CalibOptions, Console], object]]
-
-
-@torch.no_grad()
-def compare(reference, model, wins: list[torch.Tensor]) -> dict[str, float]:
-    """Perplexity of ``model``, KL(reference || model) and top-1 agreement per predicted token."""
-    nll = kl = agree = 0.0
-    count = 0
-    for w in wins:
-        ids = w[None]
-        p = torch.log_softmax(reference(ids, attention_mode="dense").logits[0, :-1], -1)
-        q = torch.log_softmax(model(ids, attention_mode="dense").logits[0, :-1], -1)
-        target = ids[0, 1:]
-        nll += float(-q.gather(-1, target[:, None]).sum())
-        kl += float((p.exp() * (p - q)).sum())
-        agree += float((p.argmax(-1) == q.argmax(-1)).sum())
-        count += target.numel()
-    return {"ppl": float(torch.exp(torch.tensor(nll / count))), "kl": kl / count, "top1": agree / count}
 
 
 def run_benchmark(description: str, variants: list[Variant], json_name: str) -> None:

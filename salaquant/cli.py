@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +14,7 @@ from rich.table import Table
 from . import __version__
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
+from .run_recipe import parse_size
 
 app = typer.Typer(
     name="salaquant",
@@ -86,20 +88,6 @@ def tiny(
     except (ValueError, CheckpointError) as exc:
         fail(str(exc))
     console.print(f"wrote {preset} SALA checkpoint to [bold]{path}[/]")
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    t = text.strip().upper()
-    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(unit):
-            try:
-                return int(float(t[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    if t.isdigit():
-        return int(t)
-    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
 
 
 @app.command()
@@ -277,55 +265,47 @@ def gptq_command(
         bool, typer.Option(help="Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail).")
     ] = True,
     shard_size: ShardSize = "4GB",
+    save_recipe: SaveRecipe = None,
     resume: Resume = False,
     overwrite: Overwrite = False,
 ) -> None:
     """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
-    from .calibration import CalibOptions
-    from .gptq.command import RunOptions, run_gptq
-    from .gptq.layer import GPTQLayerOptions
-    from .gptq.plan import BitsOptions
+    from .recipe import Calibration, Engine, Export, GPTQSection, Quantization, Recipe, Smoothing
 
-    try:
-        run_gptq(
-            input,
-            output,
-            calib,
-            CalibOptions(
-                max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+    def build() -> Recipe:
+        return Recipe(
+            method=method,  # type: ignore[arg-type]  (validated: gptq or rtn)
+            calibration=Calibration(
+                sources=calib,
+                max_samples=max_samples,
+                max_len=max_len,
+                min_len=min_len,
+                shuffle=shuffle,
+                seed=seed,
+                field=field,
             ),
-            BitsOptions(
+            smoothing=Smoothing(enabled=not no_smooth, alpha=smooth_alpha),
+            quantization=Quantization(
                 bits=bits,
                 group_size=group_size,
                 minicpm4_bits=minicpm4_bits,
                 lightning_bits=lightning_bits,
                 layer_bits=layer_bits,
-                exclude=tuple(exclude or ()),
+                exclude=exclude or [],
             ),
-            GPTQLayerOptions(
+            gptq=GPTQSection(
                 damp=damp,
                 act_order=act_order,
                 mse=mse,
                 fp64=fp64,
-                smooth_alpha=None if no_smooth else smooth_alpha,
                 hessian_weighting=hessian_weighting,
-                method=method,
-            ),
-            RunOptions(
-                device=device,
-                chunk_tokens=chunk_tokens,
-                propagate=propagate,
                 quantize_lm_head=quantize_lm_head,
-                tp=tp,
-                max_shard_bytes=parse_size(shard_size),
-                resume=resume,
-                overwrite=overwrite,
-                marlin_fallback=marlin_fallback,
             ),
-            console,
+            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
+            export=Export(shard_size=shard_size, tp=tp, marlin_fallback=marlin_fallback),
         )
-    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
-        fail(str(exc))
+
+    _run_from_flags(build, input, output, save_recipe, resume, overwrite)
 
 
 @app.command("nvfp4")
@@ -349,39 +329,102 @@ def nvfp4_command(
     chunk_tokens: ChunkTokens = 8192,
     device: Device = "auto",
     shard_size: ShardSize = "4GB",
+    save_recipe: SaveRecipe = None,
     resume: Resume = False,
     overwrite: Overwrite = False,
 ) -> None:
     """SmoothQuant + block-scale search NVFP4, exported in ModelOpt's format for SGLang / vLLM modelopt_fp4."""
-    from .calibration import CalibOptions
-    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
-    from .nvfp4.layer import NVFP4LayerOptions
+    from .recipe import Calibration, Engine, Export, NVFP4Section, Recipe, Smoothing
+
+    def build() -> Recipe:
+        return Recipe(
+            method="nvfp4",
+            calibration=Calibration(
+                sources=calib,
+                max_samples=max_samples,
+                max_len=max_len,
+                min_len=min_len,
+                shuffle=shuffle,
+                seed=seed,
+                field=field,
+            ),
+            smoothing=Smoothing(enabled=not no_smooth, alpha=smooth_alpha),
+            nvfp4=NVFP4Section(
+                dense_all=dense_all, exclude=exclude or [], mse_iters=mse_iters, mse_max_shrink=mse_max_shrink
+            ),
+            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
+            export=Export(shard_size=shard_size),
+        )
+
+    _run_from_flags(build, input, output, save_recipe, resume, overwrite)
+
+
+SaveRecipe = Annotated[Path | None, typer.Option(help="Write the recipe these flags imply to this YAML file.")]
+
+
+def _run_from_flags(build, input: Path, output: Path, save_recipe: Path | None, resume: bool, overwrite: bool) -> None:
+    """Flags -> recipe (validated like a file) -> the same run as ``salaquant run``."""
+    from pydantic import ValidationError
+
+    from .recipe import RecipeError, recipe_from_dict
 
     try:
-        run_nvfp4(
-            input,
-            output,
-            calib,
-            CalibOptions(
-                max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
-            ),
-            NVFP4LayerOptions(
-                mse_iters=mse_iters, mse_max_shrink=mse_max_shrink, smooth_alpha=None if no_smooth else smooth_alpha
-            ),
-            NVFP4RunOptions(
-                dense_all=dense_all,
-                exclude=tuple(exclude or ()),
-                device=device,
-                chunk_tokens=chunk_tokens,
-                propagate=propagate,
-                max_shard_bytes=parse_size(shard_size),
-                resume=resume,
-                overwrite=overwrite,
-            ),
-            console,
-        )
+        recipe = recipe_from_dict(build().model_dump(), "flags")
+    except (ValidationError, RecipeError) as exc:
+        fail(str(exc))
+    if save_recipe is not None:
+        save_recipe.write_text(recipe.to_yaml())
+        console.print(f"recipe written to {save_recipe}")
+    _run(recipe, input, output, resume, overwrite, None)
+
+
+def _run(recipe, input: Path, output: Path, resume: bool, overwrite: bool, recipe_path: str | None) -> None:
+    from .run_recipe import GateFailed, run_recipe
+
+    try:
+        run_recipe(recipe, input, output, console, resume=resume, overwrite=overwrite, recipe_path=recipe_path)
+    except GateFailed as exc:
+        fail(str(exc), code=3)
     except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
+
+
+@app.command()
+def run(
+    recipe: Annotated[str, typer.Argument(help="A recipe file, or the name of a shipped recipe.")],
+    input: Input,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the quantized checkpoint.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: --set gptq.damp=0.05")] = None,
+    calib: Annotated[list[str] | None, typer.Option(help="Shorthand for --set calibration.sources=[...]")] = None,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+) -> None:
+    """Quantize as a YAML recipe says (CLI overrides win); the resolved recipe is saved in the output."""
+    from .recipe import RecipeError, load_recipe
+
+    overrides = list(set_ or [])
+    if calib:
+        overrides.append("calibration.sources=" + json.dumps(list(calib)))
+    try:
+        resolved = load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        fail(str(exc))
+    _run(resolved, input, output, resume, overwrite, recipe)
+
+
+@app.command()
+def recipes() -> None:
+    """List the shipped recipes (usable by name with ``salaquant run``)."""
+    from .recipe import load_recipe, shipped_recipes
+
+    table = Table(title="Shipped recipes")
+    table.add_column("name")
+    table.add_column("method")
+    table.add_column("description")
+    for name in sorted(shipped_recipes()):
+        r = load_recipe(name)
+        table.add_row(name, r.method, r.description)
+    console.print(table)
 
 
 @app.command()

@@ -26,7 +26,7 @@ def export_checkpoint(
 ) -> Path:
     """Embeddings, final norm and (unless quantized) lm_head from the source; every decoder layer from the
     engine's work folder; ``config.json`` with ``quantization_config``; tokenizer and remote-code files;
-    ``extra_files`` (format configs, reports, resolved settings) as JSON."""
+    ``extra_files`` (format configs, reports, resolved settings) as JSON, or as text when given a string."""
     reader = CheckpointReader(source)
     config = SalaConfig.from_dict(reader.config())
     shapes = global_parameter_shapes(config)
@@ -49,7 +49,10 @@ def export_checkpoint(
         raw.setdefault("torch_dtype", "bfloat16")
         writer.write_json("config.json", raw)
         for name, obj in extra_files.items():
-            writer.write_json(name, obj)
+            if isinstance(obj, str):
+                (writer.tmp_dir / name).write_text(obj)
+            else:
+                writer.write_json(name, obj)
         writer.copy_aux(source)
         log = result.work_dir / "log.txt"
         if log.exists():

@@ -67,6 +67,7 @@ def run_gptq(
     layer: GPTQLayerOptions,
     run: RunOptions,
     console: Console,
+    extra_files: dict[str, Any] | None = None,
 ) -> Path:
     check_output(output, run.overwrite, run.resume)
     config = SalaConfig.from_file(model)
@@ -147,7 +148,12 @@ def run_gptq(
         output,
         result,
         qconfig,
-        {"quantize_config.json": qconfig, "quant_report.json": report, "salaquant_settings.json": settings},
+        {
+            "quantize_config.json": qconfig,
+            "quant_report.json": report,
+            "salaquant_settings.json": settings,
+            **(extra_files or {}),
+        },
         lm_head_tensors=lm_tensors,
         max_shard_bytes=run.max_shard_bytes,
         overwrite=run.overwrite,

@@ -27,6 +27,8 @@ from .dynamic import LinearPlan
 from .packing import pack_gptq_v1
 from .solver import GPTQConfig, GPTQResult, gptq, relative_output_error, rtn, weighted_error
 
+GPTQ_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
 
 @dataclass(frozen=True)
 class GPTQLayerOptions:
@@ -36,6 +38,7 @@ class GPTQLayerOptions:
     mse: bool = False
     fp64: bool = False
     smooth_alpha: float | None = 0.5  # None: no smoothing
+    smooth_groups: tuple[str, ...] = GPTQ_SMOOTH_GROUPS
     hessian_weighting: str = "samples"  # "samples": every sample weighs the same; "tokens": every token
     method: str = "gptq"  # or "rtn": round to nearest on the same grid (the baseline), same export
 
@@ -77,7 +80,7 @@ class GPTQLayerQuantizer:
             st = stats[g.name]
             h = self.opts.hessian(st)
             quantized = any(self.plan[prefix + m].bits is not None for m in g.members)
-            if self.opts.smooth_alpha is not None and quantized and smoothable(g):
+            if self.opts.smooth_alpha is not None and quantized and smoothable(g) and g.name in self.opts.smooth_groups:
                 act = st.mean_sq().sqrt()
                 weights = [layer.get_submodule(m).weight for m in g.members]
                 s = smooth_scales(act, weights, self.opts.smooth_alpha)

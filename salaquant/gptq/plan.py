@@ -18,7 +18,11 @@ SUPPORTED_BITS = (4, 8, 16)
 
 
 class PlanError(ValueError):
-    """An impossible bits plan; the message names the option and the value."""
+    """An impossible bits plan; the message names the option and the value (``rule``: the offending rule)."""
+
+    def __init__(self, message: str, rule: int | None = None) -> None:
+        super().__init__(message)
+        self.rule = rule
 
 
 def parse_layer_bits(spec: str, num_layers: int) -> dict[int, int]:
@@ -41,6 +45,16 @@ def parse_layer_bits(spec: str, num_layers: int) -> dict[int, int]:
 
 
 @dataclass(frozen=True)
+class BitsRule:
+    """Linears whose name matches ``match`` (``re.search``) get these bits (16: bf16) and/or group size;
+    the first matching rule wins and overrides the per-layer / per-type / default bits."""
+
+    match: str
+    bits: int | None = None
+    group_size: int | None = None
+
+
+@dataclass(frozen=True)
 class BitsOptions:
     bits: int = 4
     group_size: int = 128
@@ -48,6 +62,7 @@ class BitsOptions:
     lightning_bits: int | None = None
     layer_bits: str = ""
     exclude: tuple[str, ...] = ()  # regexes matched (re.search) against full linear names
+    rules: tuple[BitsRule, ...] = ()
 
 
 def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
@@ -65,20 +80,41 @@ def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
             patterns.append(re.compile(pat))
         except re.error as exc:
             raise PlanError(f"--exclude {pat!r}: not a valid regular expression ({exc})") from exc
+    rules = []
+    for k, rule in enumerate(opts.rules):
+        if rule.bits is not None and rule.bits not in SUPPORTED_BITS:
+            raise PlanError(f"rules[{k}] bits {rule.bits}: expected one of {SUPPORTED_BITS}", rule=k)
+        if rule.group_size is not None and rule.group_size not in (-1, 32, 64, 128):
+            raise PlanError(f"rules[{k}] group_size {rule.group_size}: expected -1, 32, 64 or 128", rule=k)
+        try:
+            rules.append(re.compile(rule.match))
+        except re.error as exc:
+            raise PlanError(f"rules[{k}] match {rule.match!r}: not a valid regular expression ({exc})", rule=k) from exc
     plan: dict[str, LinearPlan] = {}
+    matched_rule: dict[str, int] = {}
     for i, kind in enumerate(config.mixer_types):
         kind_bits = opts.minicpm4_bits if kind == SPARSE else opts.lightning_bits if kind == LIGHTNING else None
         bits = per_layer.get(i, kind_bits if kind_bits is not None else opts.bits)
         for spec in layer_linears(config, kind):
             name = f"model.layers.{i}.{spec.name}"
-            excluded = bits == 16 or any(p.search(name) for p in patterns)
-            plan[name] = LinearPlan(bits=None if excluded else bits, group_size=opts.group_size)
+            b, gs = bits, opts.group_size
+            for k, pattern in enumerate(rules):
+                if pattern.search(name):
+                    b = opts.rules[k].bits if opts.rules[k].bits is not None else b
+                    gs = opts.rules[k].group_size if opts.rules[k].group_size is not None else gs
+                    matched_rule[name] = k
+                    break
+            excluded = b == 16 or any(p.search(name) for p in patterns)
+            plan[name] = LinearPlan(bits=None if excluded else b, group_size=gs)
         for fused, members in FUSED_PARAMETERS.items():
-            got = {plan[f"model.layers.{i}.{m}"] for m in members}
-            if len(got) > 1:
+            names = [f"model.layers.{i}.{m}" for m in members]
+            if len({plan[n] for n in names}) > 1:
+                hit = sorted({matched_rule[n] for n in names if n in matched_rule})
                 raise PlanError(
-                    f"--exclude would split the fused model.layers.{i}.{fused} ({', '.join(members)}): "
-                    "serving engines load them as one parameter, so exclude all of them or none"
+                    f"{'rules[' + str(hit[0]) + ']' if hit else '--exclude'} would split the fused "
+                    f"model.layers.{i}.{fused} ({', '.join(members)}): serving engines load them as one parameter, "
+                    "so give all of them the same bits and group size (or exclude all of them)",
+                    rule=hit[0] if hit else None,
                 )
     return plan
 

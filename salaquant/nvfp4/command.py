@@ -64,6 +64,7 @@ def run_nvfp4(
     layer: NVFP4LayerOptions,
     run: NVFP4RunOptions,
     console: Console,
+    extra_files: dict[str, Any] | None = None,
 ) -> Path:
     check_output(output, run.overwrite, run.resume)
     config = SalaConfig.from_file(model)
@@ -103,6 +104,7 @@ def run_nvfp4(
             "hf_quant_config.json": hf_quant_config(exclude_modules),
             "quant_report.json": report,
             "salaquant_settings.json": settings,
+            **(extra_files or {}),
         },
         max_shard_bytes=run.max_shard_bytes,
         overwrite=run.overwrite,

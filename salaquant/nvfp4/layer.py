@@ -33,6 +33,7 @@ class NVFP4LayerOptions:
     mse_iters: int = 80  # 0: plain block scales
     mse_max_shrink: float = 0.6
     smooth_alpha: float | None = 0.5
+    smooth_groups: tuple[str, ...] = NVFP4_SMOOTH_GROUPS
 
 
 def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:
@@ -63,7 +64,7 @@ class NVFP4LayerQuantizer:
                 self.opts.smooth_alpha is not None
                 and all(members_q)
                 and smoothable(g)
-                and g.name in NVFP4_SMOOTH_GROUPS
+                and g.name in self.opts.smooth_groups
             ):
                 s = smooth_scales(
                     msq.sqrt(), [layer.get_submodule(m).weight for m in g.members], self.opts.smooth_alpha

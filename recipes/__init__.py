@@ -1,0 +1,1 @@
+"""The YAML recipes shipped with salaquant (``salaquant recipes`` lists them)."""

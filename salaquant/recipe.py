@@ -1,0 +1,266 @@
+"""YAML recipes: a whole quantization run as data (one schema behind both the recipe file and the CLI flags).
+
+A recipe is validated before any model work; errors name the file, the line and the key, and suggest the
+closest valid key for a misspelt one. ``--set key.sub=value`` overrides any key (values parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+GPTQ_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+NVFP4_GROUPS = ("attn_in", "attn_out", "mlp_in")
+SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names file, line and key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(_Section):
+    sources: list[str] = Field(default_factory=list, description="files, folders or hf:NAME datasets")
+    max_samples: int | None = Field(96, ge=1)
+    max_len: int = Field(131072, ge=1)
+    min_len: int = Field(1, ge=1)
+    shuffle: bool = False
+    seed: int = 0
+    field: str | None = None
+
+
+class Smoothing(_Section):
+    enabled: bool = True
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    groups: list[str] | None = Field(None, description="default: all the method's groups")
+
+
+class BitsRuleModel(_Section):
+    match: str
+    bits: Literal[4, 8, 16] | None = None
+    group_size: Literal[-1, 32, 64, 128] | None = None
+
+    @field_validator("match")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression ({exc})") from exc
+        return v
+
+
+class Quantization(_Section):
+    bits: Literal[4, 8, 16] = 4
+    group_size: Literal[-1, 32, 64, 128] = 128
+    minicpm4_bits: Literal[4, 8, 16] | None = None
+    lightning_bits: Literal[4, 8, 16] | None = None
+    layer_bits: str = Field("", description='e.g. "0:8,2-7:4" (16 = bf16)')
+    rules: list[BitsRuleModel] = Field(default_factory=list, description="first match wins")
+    exclude: list[str] = Field(default_factory=list)
+
+
+class GPTQSection(_Section):
+    damp: float = Field(0.01, gt=0.0, le=1.0)
+    block_size: int = Field(128, ge=1)
+    act_order: bool = False
+    mse: bool = False
+    fp64: bool = False
+    hessian_weighting: Literal["samples", "tokens"] = "samples"
+    quantize_lm_head: bool = False
+
+
+class NVFP4Section(_Section):
+    dense_all: bool = False
+    exclude: list[str] = Field(default_factory=list)
+    mse_iters: int = Field(80, ge=0, le=10000)
+    mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
+
+
+class Engine(_Section):
+    device: str = "auto"
+    chunk_tokens: int = Field(8192, ge=1)
+    propagate: Literal["quantized", "float"] = "quantized"
+
+
+class Export(_Section):
+    shard_size: str = "4GB"
+    checkpoint_format: Literal["gptq", "modelopt"] | None = None
+    tp: int = Field(1, ge=1)
+    marlin_fallback: bool = True
+
+    @field_validator("shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if not SIZE_RE.match(v):
+            raise ValueError("expected a size such as 4GB, 500MB or 2GiB")
+        return v
+
+
+class EvalGate(_Section):
+    data: str | None = Field(None, description="held-out text (same formats as calibration)")
+    seq_len: int = Field(1024, ge=2)
+    windows: int = Field(8, ge=1)
+    max_ppl_increase: float | None = Field(None, ge=0.0, description="fraction, e.g. 0.05 = +5%")
+    max_kl: float | None = Field(None, ge=0.0)
+    min_top1: float | None = Field(None, ge=0.0, le=1.0)
+
+
+class Recipe(_Section):
+    method: Literal["gptq", "nvfp4", "rtn"]
+    description: str = ""
+    calibration: Calibration = Calibration()
+    smoothing: Smoothing = Smoothing()
+    quantization: Quantization = Quantization()
+    gptq: GPTQSection = GPTQSection()
+    nvfp4: NVFP4Section = NVFP4Section()
+    engine: Engine = Engine()
+    export: Export = Export()
+    eval: EvalGate = EvalGate()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        allowed = NVFP4_GROUPS if self.method == "nvfp4" else GPTQ_GROUPS
+        for g in self.smoothing.groups or []:
+            if g not in allowed:
+                raise ValueError(f"smoothing.groups: {g!r} is not a {self.method} smoothing group {list(allowed)}")
+        fmt = self.export.checkpoint_format
+        if fmt is not None and fmt != ("modelopt" if self.method == "nvfp4" else "gptq"):
+            raise ValueError(f"export.checkpoint_format {fmt!r} does not match method {self.method!r}")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+# ----------------------------------------------------------------------------- loading with positions
+
+
+def _node_at(node: yaml.Node | None, loc: tuple[Any, ...]) -> yaml.Node | None:
+    """The YAML node at ``loc`` (mapping keys / sequence indices), or the deepest one found."""
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == part), None)
+            if match is None:
+                return node
+            node = match[1] if part != loc[-1] else match[0]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            return node
+    return node
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        inner = getattr(ann, "__args__", (ann,))
+        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _describe(errors: list[dict[str, Any]], root: yaml.Node | None, where: str) -> str:
+    lines = []
+    for e in errors:
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+        node = _node_at(root, loc) if loc else root
+        line = f":{node.start_mark.line + 1}" if node is not None else ""
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)
+            hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)" if close else ""
+            lines.append(f"{where}{line}: unknown key '{key}'{hint}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}{line}: {key or 'recipe'}: {msg}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["gptq.damp=0.05", "calibration.sources=[a.jsonl]"]`` applied to a recipe dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. gptq.damp=0.05")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        target = data
+        for p in parts[:-1]:
+            if not isinstance(target.setdefault(p, {}), dict):
+                raise RecipeError(f"--set {item!r}: {p} is not a section")
+            target = target[p]
+        target[parts[-1]] = _parse_value(value)
+    return data
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes shipped with salaquant, by name."""
+    folder = resources.files("salaquant.recipes")
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith((".yaml", ".yml"))}
+
+
+def resolve_recipe_path(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = shipped_recipes()
+    if str(name_or_path) in shipped:
+        return shipped[str(name_or_path)]
+    close = difflib.get_close_matches(str(name_or_path), list(shipped), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else f"; shipped recipes: {', '.join(sorted(shipped))}"
+    raise RecipeError(f"recipe {str(name_or_path)!r}: no such file and no shipped recipe of that name{hint}")
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe; every problem is reported with file and line."""
+    path = resolve_recipe_path(name_or_path)
+    text = path.read_text()
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections (method, calibration, ...)")
+    data = apply_overrides(data, overrides or [])
+    return recipe_from_dict(data, str(path), root)
+
+
+def recipe_from_dict(data: dict[str, Any], where: str = "recipe", root: yaml.Node | None = None) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(_describe(exc.errors(), root, where)) from exc
+
+
+def rule_line(recipe_path: str | Path, index: int) -> str:
+    """``file:line`` of ``quantization.rules[index]`` (for errors found against the model config)."""
+    try:
+        path = resolve_recipe_path(recipe_path)
+        node = _node_at(yaml.compose(path.read_text()), ("quantization", "rules", index))
+        return f"{path}:{node.start_mark.line + 1}" if node is not None else str(path)
+    except (RecipeError, yaml.YAMLError, OSError):
+        return str(recipe_path)

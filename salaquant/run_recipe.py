@@ -1,0 +1,191 @@
+"""Run a validated recipe: the one path behind ``salaquant run`` and the ``gptq`` / ``nvfp4`` commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from .calibration import CalibOptions
+from .recipe import GPTQ_GROUPS, NVFP4_GROUPS, EvalGate, Recipe, RecipeError, rule_line
+
+
+class GateFailed(RuntimeError):
+    """The exported checkpoint missed a threshold of the recipe's eval gate."""
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
+
+
+def calib_options(r: Recipe) -> CalibOptions:
+    c = r.calibration
+    return CalibOptions(
+        max_samples=c.max_samples, max_len=c.max_len, min_len=c.min_len, shuffle=c.shuffle, seed=c.seed, field=c.field
+    )
+
+
+def _smooth(r: Recipe, default: tuple[str, ...]) -> tuple[float | None, tuple[str, ...]]:
+    alpha = r.smoothing.alpha if r.smoothing.enabled else None
+    groups = tuple(r.smoothing.groups) if r.smoothing.groups is not None else default
+    return alpha, groups
+
+
+def run_recipe(
+    recipe: Recipe,
+    model: Path,
+    output: Path,
+    console: Console,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    recipe_path: str | None = None,
+) -> Path:
+    """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``."""
+    if not recipe.calibration.sources:
+        raise RecipeError(
+            "calibration.sources is empty: list files in the recipe or pass "
+            "--set calibration.sources=[FILE] (or --calib FILE)"
+        )
+    extra = {"recipe.yaml": recipe.to_yaml()}
+    q, e = recipe.quantization, recipe.engine
+    if recipe.method in ("gptq", "rtn"):
+        from .gptq.command import RunOptions, run_gptq
+        from .gptq.layer import GPTQLayerOptions
+        from .gptq.plan import BitsOptions, BitsRule, PlanError
+
+        g = recipe.gptq
+        alpha, groups = _smooth(recipe, GPTQ_GROUPS)
+        bits = BitsOptions(
+            bits=q.bits,
+            group_size=q.group_size,
+            minicpm4_bits=q.minicpm4_bits,
+            lightning_bits=q.lightning_bits,
+            layer_bits=q.layer_bits,
+            exclude=tuple(q.exclude),
+            rules=tuple(BitsRule(x.match, x.bits, x.group_size) for x in q.rules),
+        )
+        layer = GPTQLayerOptions(
+            damp=g.damp,
+            block_size=g.block_size,
+            act_order=g.act_order,
+            mse=g.mse,
+            fp64=g.fp64,
+            smooth_alpha=alpha,
+            smooth_groups=groups,
+            hessian_weighting=g.hessian_weighting,
+            method="rtn" if recipe.method == "rtn" else "gptq",
+        )
+        run = RunOptions(
+            device=e.device,
+            chunk_tokens=e.chunk_tokens,
+            propagate=e.propagate,
+            quantize_lm_head=g.quantize_lm_head,
+            tp=recipe.export.tp,
+            max_shard_bytes=parse_size(recipe.export.shard_size),
+            resume=resume,
+            overwrite=overwrite,
+            show_progress=show_progress,
+            marlin_fallback=recipe.export.marlin_fallback,
+        )
+        try:
+            run_gptq(
+                model,
+                output,
+                recipe.calibration.sources,
+                calib_options(recipe),
+                bits,
+                layer,
+                run,
+                console,
+                extra_files=extra,
+            )
+        except PlanError as exc:
+            if exc.rule is not None and recipe_path is not None:
+                raise RecipeError(f"{rule_line(recipe_path, exc.rule)}: quantization.{exc}") from exc
+            raise
+    else:
+        from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+        from .nvfp4.layer import NVFP4LayerOptions
+
+        n = recipe.nvfp4
+        alpha, groups = _smooth(recipe, NVFP4_GROUPS)
+        layer4 = NVFP4LayerOptions(
+            mse_iters=n.mse_iters, mse_max_shrink=n.mse_max_shrink, smooth_alpha=alpha, smooth_groups=groups
+        )
+        run4 = NVFP4RunOptions(
+            dense_all=n.dense_all,
+            exclude=tuple(n.exclude + q.exclude),
+            device=e.device,
+            chunk_tokens=e.chunk_tokens,
+            propagate=e.propagate,
+            max_shard_bytes=parse_size(recipe.export.shard_size),
+            resume=resume,
+            overwrite=overwrite,
+            show_progress=show_progress,
+        )
+        run_nvfp4(
+            model, output, recipe.calibration.sources, calib_options(recipe), layer4, run4, console, extra_files=extra
+        )
+    if recipe.eval.data is not None:
+        result = eval_gate(model, output, recipe.eval, recipe.engine.device)
+        (output / "eval_gate.json").write_text(json.dumps(result, indent=2))
+        console.print(
+            f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
+            f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
+        )
+        if not result["passed"]:
+            raise GateFailed("eval gate failed: " + "; ".join(result["failures"]))
+    return output
+
+
+def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:
+    """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data``."""
+    from .calibration import load_calibration
+    from .model.loading import load_model
+    from .perplexity import compare_models, windows
+    from .pipeline import resolve_device
+    from .workflow import load_tokenizer
+
+    assert gate.data is not None
+    dev = resolve_device(device)
+    data = load_calibration([gate.data], load_tokenizer(source), CalibOptions(max_len=10**9))
+    stream = torch.cat([s.ids for s in data.samples])
+    wins = windows(stream, gate.seq_len, gate.windows)
+    if not wins:
+        raise RecipeError(f"eval.data {gate.data}: fewer than eval.seq_len={gate.seq_len} tokens")
+    reference = load_model(source, device=dev)
+    base = compare_models(reference, reference, wins, device=dev)["ppl"]
+    r = compare_models(reference, load_model(quantized, device=dev), wins, device=dev)
+    out: dict[str, Any] = {
+        "ppl_source": base,
+        "ppl_quantized": r["ppl"],
+        "ppl_increase": r["ppl"] / base - 1,
+        "kl": r["kl"],
+        "top1": r["top1"],
+        "windows": len(wins),
+        "seq_len": gate.seq_len,
+    }
+    failures = []
+    if gate.max_ppl_increase is not None and out["ppl_increase"] > gate.max_ppl_increase:
+        failures.append(f"ppl increase {100 * out['ppl_increase']:.2f}% > {100 * gate.max_ppl_increase:.2f}%")
+    if gate.max_kl is not None and out["kl"] > gate.max_kl:
+        failures.append(f"KL {out['kl']:.4f} > {gate.max_kl}")
+    if gate.min_top1 is not None and out["top1"] < gate.min_top1:
+        failures.append(f"top-1 agreement {out['top1']:.4f} < {gate.min_top1}")
+    out["failures"], out["passed"] = failures, not failures
+    return out
