@@ -428,6 +428,42 @@ def recipes() -> None:
 
 
 @app.command()
+def generate(
+    model: Annotated[Path, typer.Argument(help="A bf16, GPTQ or NVFP4 SALA checkpoint folder.")],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 40,
+    attention: Annotated[str, typer.Option(help="auto (dense below dense_len), dense or sparse.")] = "auto",
+    device: Device = "auto",
+    backend: Annotated[str, typer.Option(help="auto (Triton on CUDA), triton or reference.")] = "auto",
+) -> None:
+    """Greedy completion with the runtime: a quick check that a checkpoint loads and talks."""
+    import time
+
+    import torch
+
+    from .pipeline import resolve_device
+    from .runtime.load import checkpoint_format, load
+    from .workflow import load_tokenizer
+
+    try:
+        dev = resolve_device(device)
+        net = load(model, device=dev, backend=backend)
+        tok = load_tokenizer(model)
+    except (ValueError, CheckpointError, RuntimeError, OSError) as exc:
+        fail(str(exc))
+    ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = net.greedy(ids, max_new_tokens, attention_mode=attention)
+    seconds = time.perf_counter() - t0
+    from .model.checkpoint import CheckpointReader
+
+    fmt = checkpoint_format(CheckpointReader(model))
+    console.print(f"[dim]{model} ({fmt}) on {dev}, {seconds:.2f} s[/]")
+    console.print(prompt + tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), markup=False, highlight=False)
+
+
+@app.command()
 def check(
     model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,

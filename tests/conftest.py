@@ -1,10 +1,16 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run under the interpreter on machines without a GPU; this must be set before any kernel
+# module is imported (triton.jit reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 

@@ -63,6 +63,7 @@ class SparseAttention(nn.Module):
             self.o_gate = nn.Linear(h, self.num_heads * d, bias=False)
         self.dense_len = config.dense_len
         self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
+        self.sparse_fn = infllm_v2_attention  # the runtime swaps in salaquant.kernels.infllm
 
     def use_sparse(self, total_len: int, mode: str) -> bool:
         if mode == "dense":
@@ -109,7 +110,7 @@ class SparseAttention(nn.Module):
                     else extend_compressed(k, cache.k2, p.kernel_size2, p.kernel_stride2)
                 )
                 k1, k2 = cache.k1, cache.k2
-            out = infllm_v2_attention(q, k, v, self.sparse, k1=k1, k2=k2)
+            out = self.sparse_fn(q, k, v, self.sparse, k1=k1, k2=k2)
         else:
             out = dense_causal_attention(q, k, v, scale)
         out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
@@ -143,6 +144,7 @@ class LightningAttention(nn.Module):
             self.o_norm = RMSNorm(self.num_heads * d, config.rms_norm_eps)
         if self.use_gate:
             self.z_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.gla_fn = simple_gla  # the runtime swaps in salaquant.kernels.gla
 
     def forward(
         self,
@@ -165,7 +167,7 @@ class LightningAttention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         state = cache.state if cache is not None else None
-        o, final = simple_gla(
+        o, final = self.gla_fn(
             q.float(),
             k.float(),
             v.float(),

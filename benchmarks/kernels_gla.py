@@ -1,0 +1,193 @@
+"""Simple GLA kernels against fla: chunked prefill and recurrent decode at SALA's shape (H=32, D=128).
+
+Prefill: B=1, T in {8192, 32768, 131072}, no initial state, final state out, bf16 and fp32 inputs
+(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed). Decode: T=1, B in {1, 8, 64},
+fp32 inputs and states, new state written or updated in place. fla (``chunk_simple_gla`` /
+``fused_recurrent_simple_gla``) is timed when importable. ``speedup`` = fla time / our time.
+
+  python benchmarks/kernels_gla.py --out OUT [--prefill-t 8192,32768,131072 --decode-b 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from salaquant.kernels.gla import chunk_gla, recurrent_gla
+
+from salaquant.model import gla as ref
+
+H, D = 32, 128
+SCALE = D**-0.5
+REFERENCE_MAX_T = 32768
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    fn()  # autotune and compile outside the timed region
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _timed(row: dict, key: str, fn: Callable[[], object]) -> None:
+    try:
+        row[key] = _bench(fn)
+    except Exception as exc:  # a config that fails to compile is recorded, the rest still run
+        row[key] = None
+        row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
+def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
+    rows = []
+    g = -ref.alibi_slopes(H).cuda()
+    for t in ts:
+        for dtype, precisions in ((torch.bfloat16, ["tf32"]), (torch.float32, ["tf32", "tf32x3", "ieee"])):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, t, H, D, device="cuda").to(dtype) for _ in range(3))
+            fla_out = None
+            fla_ms = None
+            if fla_chunk is not None:
+                fla_out = fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
+                fla_ms = _bench(
+                    lambda q=q, k=k, v=v: fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
+                )
+            ref_out = ref.chunk_gla(q, k, v, g, SCALE, None, True) if t <= REFERENCE_MAX_T else None
+            for precision in precisions:
+                row: dict = {
+                    "kernel": "chunk",
+                    "B": 1,
+                    "T": t,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "precision": precision if dtype == torch.float32 else "-",
+                    "fla_ms": fla_ms,
+                }
+
+                def ours(q=q, k=k, v=v, precision=precision) -> object:
+                    return chunk_gla(q, k, v, g, SCALE, None, True, precision=precision)
+
+                _timed(row, "ours_ms", ours)
+                if row["ours_ms"] is not None:
+                    o, s = ours()
+                    if fla_out is not None:
+                        row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
+                        row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
+                    if ref_out is not None:
+                        row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
+                        row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
+                if fla_ms is not None and row["ours_ms"]:
+                    row["speedup"] = fla_ms / row["ours_ms"]
+                # q, k, v read once, o written in fp32
+                row["ours_tb_s"] = (
+                    (3 * q.numel() * q.element_size() + q.numel() * 4) / row["ours_ms"] / 1e9
+                    if row["ours_ms"]
+                    else None
+                )
+                rows.append(row)
+            del q, k, v, fla_out, ref_out
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_rows(b: int, g: torch.Tensor, fla_rec: Callable | None) -> list[dict]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, 1, H, D, device="cuda") for _ in range(3))
+    s0 = torch.randn(b, H, D, D, device="cuda")
+    state = s0.clone()
+    state_bytes = 2 * s0.numel() * 4
+    fla_ms = None
+    fla_out = None
+    if fla_rec is not None:
+        fla_out = fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True)
+        fla_ms = _bench(lambda: fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True))
+    ref_out = ref.recurrent_gla(q, k, v, g, SCALE, s0, True)
+    cases: dict[str, Callable[[], tuple]] = {
+        "new_state": lambda: recurrent_gla(q, k, v, g, SCALE, s0, True),
+        "inplace": lambda: recurrent_gla(q, k, v, g, SCALE, state, inplace=True),
+    }
+    rows = []
+    for mode, ours in cases.items():
+        row: dict = {"kernel": "recurrent", "B": b, "T": 1, "dtype": "float32", "mode": mode, "fla_ms": fla_ms}
+        _timed(row, "ours_ms", ours)
+        if mode == "new_state" and row["ours_ms"] is not None:
+            o, s = ours()
+            row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
+            row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
+            if fla_out is not None:
+                row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
+                row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
+        if fla_ms is not None and row["ours_ms"]:
+            row["speedup"] = fla_ms / row["ours_ms"]
+        # fp32 state read and written
+        row["ours_tb_s"] = state_bytes / row["ours_ms"] / 1e9 if row["ours_ms"] else None
+        rows.append(row)
+    return rows
+
+
+def decode(bs: list[int], fla_rec: Callable | None) -> list[dict]:
+    g = -ref.alibi_slopes(H).cuda()
+    return [row for b in bs for row in _decode_rows(b, g, fla_rec)]
+
+
+def _fmt(x: object, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| kernel | B | T | dtype | precision/mode | ours ms | fla ms | speedup | ours TB/s | rel err o (fla / ref) |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        err = f"{_fmt(r.get('rel_err_o_vs_fla'), '.1e')} / {_fmt(r.get('rel_err_o_vs_ref'), '.1e')}"
+        lines.append(
+            f"| {r['kernel']} | {r['B']} | {r['T']} | {r['dtype']} | {r.get('precision', r.get('mode'))} "
+            f"| {_fmt(r['ours_ms'], '.4f')} | {_fmt(r['fla_ms'], '.4f')} | {_fmt(r.get('speedup'), '.2f')} "
+            f"| {_fmt(r.get('ours_tb_s'), '.2f')} | {err} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prefill-t", default="8192,32768,131072")
+    ap.add_argument("--decode-b", default="1,8,64")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    fla_chunk = fla_rec = None
+    if importlib.util.find_spec("fla") is not None:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+        fla_chunk, fla_rec = chunk_simple_gla, fused_recurrent_simple_gla
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "fla": None,
+    }
+    if fla_chunk is not None:
+        import fla
+
+        res["fla"] = getattr(fla, "__version__", "unknown")
+    rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk)
+    rows += decode([int(x) for x in args.decode_b.split(",") if x], fla_rec)
+    res["rows"] = rows
+    text = table(rows)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels_gla.json").write_text(json.dumps(res, indent=2))
+    (args.out / "kernels_gla.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""NVFP4 weight-only GEMM (salaquant.kernels.nvfp4) vs cuBLAS bf16 ``F.linear`` at MiniCPM-SALA shapes.
+
+Times are medians of ``triton.testing.do_bench``; every timed call uses the next of 4 weight copies so that L2
+does not serve the weights. ``speedup`` is cuBLAS time / our time. ``--sweep`` also times a small set of launch
+configurations per case and reports the fastest (use ``--layers`` / ``--ms`` to split a long sweep).
+
+  python benchmarks/kernels_nvfp4.py --out OUT [--sweep] [--layers gate_up,down] [--ms 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from salaquant.kernels.nvfp4 import DEQUANT_MIN_M, nvfp4_matmul, nvfp4_matmul_reference
+from salaquant.kernels.nvfp4 import triton_kernels as tk
+from triton.testing import do_bench
+
+SHAPES: dict[str, tuple[int, int]] = {
+    "gate_up": (4096, 32768),
+    "down": (16384, 4096),
+    "lightning_qkv": (4096, 12288),
+    "o_proj": (4096, 4096),
+}
+"""Layer name -> (K, N)."""
+MS = (1, 16, 128, 4096)
+COPIES = 4
+DEVICE = "cuda"
+
+
+def _nvfp4_copies(k: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``COPIES`` random NVFP4 weights (all codes; finite block scales in [0.5, 2]; global scale 0.01)."""
+    out = []
+    for _ in range(COPIES):
+        weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE)
+        scale = (torch.rand(n, k // 16, device=DEVICE) * 1.5 + 0.5).to(torch.float8_e4m3fn)
+        out.append((weight, scale, torch.tensor(0.01, device=DEVICE)))
+    return out
+
+
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """A callable that runs the next of ``fns`` on each call."""
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def _time_us(fn: Callable[[], object], quick: bool = False) -> float:
+    """Median time of ``fn`` in microseconds."""
+    if quick:
+        return 1e3 * float(do_bench(fn, warmup=10, rep=30, return_mode="median"))
+    return 1e3 * float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _weight_bytes(m: int, k: int, n: int, x_bytes: int = 2) -> int:
+    """Bytes an NVFP4 GEMM must move: packed codes, FP8 scales, activations and output."""
+    return n * k // 2 + n * k // 16 + m * k * x_bytes + m * n * x_bytes
+
+
+def _candidates(m: int, k: int, n: int) -> list[tk.NVFP4Config]:
+    """Launch configurations tried by ``--sweep`` for one case."""
+    base = tk.default_config(m, n, k, DEVICE)
+    splits = sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2})
+    cands: list[tk.NVFP4Config] = []
+    if m == 1:
+        for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (32, 128, 4)):
+            cands += [
+                tk.NVFP4Config("gemv", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1) for s in splits
+            ]
+    if m <= 16:
+        tiles = ((64, 128, 4, 1), (64, 256, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (64, 128, 4, 2), (64, 128, 4, 3))
+        for bn, bk, warps, stages in tiles:
+            cands += [tk.NVFP4Config("dot", 16, bn, bk, s, num_warps=warps, num_stages=stages) for s in splits]
+    elif m <= 256:
+        tiles = (
+            (64, 128, 128, 8, 3),
+            (128, 128, 64, 8, 3),
+            (128, 64, 128, 4, 3),
+            (32, 128, 128, 4, 3),
+            (64, 64, 128, 4, 1),
+        )
+        for bm, bn, bk, warps, stages in tiles:
+            cands += [tk.NVFP4Config("dot", bm, bn, bk, s, num_warps=warps, num_stages=stages) for s in splits]
+    else:
+        tiles = (
+            (128, 128, 64, 8, 3),
+            (256, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (128, 128, 128, 8, 3),
+            (256, 128, 64, 8, 2),
+            (64, 128, 64, 4, 4),
+        )
+        cands += [tk.NVFP4Config("dot", bm, bn, bk, 1, num_warps=w, num_stages=st) for bm, bn, bk, w, st in tiles]
+    return cands
+
+
+def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, object]:
+    """Time cuBLAS, our auto path, the fused and the dequant path (and the sweep) for one layer and M."""
+    copies = _nvfp4_copies(k, n)
+    dense = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    row: dict[str, object] = {"layer": name, "K": k, "N": n, "M": m}
+
+    row["cublas_us"] = _time_us(_rotating([lambda w=w: F.linear(x, w) for w in dense]))
+    del dense
+
+    ref = nvfp4_matmul_reference(x.float(), *copies[0])
+    scale = float(ref.abs().max())
+
+    def run(backend: str) -> tuple[float | None, float | None, str | None]:
+        try:
+            y = nvfp4_matmul(x, *copies[0], backend=backend)
+            err = float((y.float() - ref).abs().max()) / scale
+            us = _time_us(_rotating([lambda c=c: nvfp4_matmul(x, *c, backend=backend) for c in copies]))
+            return us, err, None
+        except Exception as e:  # a failing path is reported, not fatal
+            return None, None, f"{type(e).__name__}: {e}"[:300]
+
+    row["auto_path"] = "dequant" if m >= DEQUANT_MIN_M else "triton"
+    row["default_config"] = dataclasses.asdict(tk.default_config(m, n, k, DEVICE))
+    for backend in ("triton", "dequant") if m >= 128 else ("triton",):
+        us, err, fail = run(backend)
+        row[f"{backend}_us"], row[f"{backend}_max_rel_err"] = us, err
+        if fail:
+            row[f"{backend}_error"] = fail
+    ours = row.get(f"{row['auto_path']}_us")
+    row["ours_us"] = ours
+    row["speedup"] = row["cublas_us"] / ours if ours else None
+    if m <= 16 and ours:
+        row["ours_TBps"] = _weight_bytes(m, k, n) / (ours * 1e-6) / 1e12
+
+    if sweep:
+        results = []
+        for cfg in _candidates(m, k, n):
+            try:
+                fns = [lambda c=c, cfg=cfg: tk.nvfp4_matmul_triton(x, *c, config=cfg) for c in copies]
+                results.append((_time_us(_rotating(fns), quick=True), cfg))
+            except Exception as e:
+                results.append((float("inf"), cfg))
+                row.setdefault("sweep_errors", []).append(f"{cfg}: {type(e).__name__}: {e}"[:300])
+        best_us, best_cfg = min(results, key=lambda r: r[0])
+        row["sweep"] = [{"us": us, **dataclasses.asdict(c)} for us, c in results]
+        row["sweep_best_us"] = best_us
+        row["sweep_best_config"] = dataclasses.asdict(best_cfg)
+        row["sweep_best_speedup"] = row["cublas_us"] / best_us
+    torch.cuda.empty_cache()
+    return row
+
+
+def _fmt(v: object, spec: str = ".1f") -> str:
+    """``v`` formatted with ``spec``, or ``-``."""
+    return "-" if v is None else format(v, spec)
+
+
+def _print_table(rows: list[dict[str, object]]) -> None:
+    """Markdown table of the results."""
+    print(
+        "| layer (K -> N) | M | cuBLAS bf16 us | ours us | speedup | path | fused us | dequant+cuBLAS us "
+        "| max rel err | sweep best us | sweep speedup | sweep best config |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        best = r.get("sweep_best_config")
+        best_s = (
+            "-"
+            if not best
+            else "{kernel} {block_m}x{block_n}x{block_k} s{split_k} w{num_warps} st{num_stages}".format(**best)
+        )
+        err = r.get(f"{r['auto_path']}_max_rel_err")
+        print(
+            f"| {r['layer']} ({r['K']} -> {r['N']}) | {r['M']} | {_fmt(r['cublas_us'])} | {_fmt(r['ours_us'])} "
+            f"| {_fmt(r['speedup'], '.2f')}x | {r['auto_path']} | {_fmt(r.get('triton_us'))} "
+            f"| {_fmt(r.get('dequant_us'))} | {_fmt(err, '.1e')} | {_fmt(r.get('sweep_best_us'))} "
+            f"| {_fmt(r.get('sweep_best_speedup'), '.2f')} | {best_s} |"
+        )
+        for key in ("triton_error", "dequant_error"):
+            if key in r:
+                print(f"|   {key}: {r[key]} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True, help="JSON file, or a folder for kernels_nvfp4.json")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate launch configurations")
+    ap.add_argument("--layers", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for name in args.layers.split(","):
+        k, n = SHAPES[name]
+        for m in (int(v) for v in args.ms.split(",")):
+            rows.append(_bench_case(name, k, n, m, args.sweep))
+            r = rows[-1]
+            print(
+                f"{name} M={m}: cuBLAS {_fmt(r['cublas_us'])} us, ours {_fmt(r['ours_us'])} us "
+                f"({_fmt(r['speedup'], '.2f')}x)",
+                flush=True,
+            )
+    _print_table(rows)
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copies": COPIES,
+        "dequant_min_m": DEQUANT_MIN_M,
+        "gemv_max_m": tk.GEMV_MAX_M,
+        "rows": rows,
+    }
+    out = args.out if args.out.suffix == ".json" else args.out / "kernels_nvfp4.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""GPU benchmark of the W4A16 GEMM (int4 g128, bf16 activations) at SALA shapes against cuBLAS bf16 ``F.linear``
+and PyTorch's tinygemm (``torch._weight_int4pack_mm``, when the op exists).
+
+Times are medians of ``triton.testing.do_bench``; every timed call uses the next of 4 weight copies, so the weights
+come from HBM rather than L2. ``ours`` is ``w4a16_matmul`` (the path it picks for M is named); the other Triton paths
+that apply to M are timed too (``alt``), which is what ``DEQUANT_MIN_M`` and the autotune lists are tuned from.
+
+  python benchmarks/kernels_w4a16.py --out OUT   (OUT a folder, or a .json file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from salaquant.kernels.w4a16 import triton_kernels as tk
+from salaquant.kernels.w4a16 import w4a16_matmul
+
+SHAPES = {
+    "gate_up": (4096, 32768),
+    "down": (16384, 4096),
+    "lightning_qkv": (4096, 12288),
+    "o_proj": (4096, 4096),
+}
+MS = (1, 16, 128, 4096)
+GROUP = 128
+COPIES = 4
+DEVICE = "cuda"
+
+
+def _time_us(fn: Callable[[int], object], rep: int) -> float:
+    """Median time of ``fn(copy)`` in microseconds, ``copy`` cycling over the weight copies."""
+    counter = itertools.count()
+    return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=rep, return_mode="median") * 1e3
+
+
+def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None:
+    """tinygemm on random int4 weights with group 128 (bf16 scale and zero), or None without the op."""
+    if not hasattr(torch, "_weight_int4pack_mm") or not hasattr(torch, "_convert_weight_to_int4pack"):
+        return None
+    sz = [torch.rand(k // GROUP, n, 2, dtype=torch.bfloat16, device=x.device) for _ in range(COPIES)]
+    errors = []
+    # The op takes uint8 [N, K/2] in recent PyTorch and int32 [N, K/8] in older releases.
+    for dtype, cols in ((torch.uint8, k // 2), (torch.int32, k // 8)):
+        try:
+            raw = [
+                torch.randint(0, 256 if dtype == torch.uint8 else 2**31 - 1, (n, cols), dtype=dtype, device=x.device)
+            ]
+            packed = [torch._convert_weight_to_int4pack(raw[0], 8) for _ in range(COPIES)]
+            torch._weight_int4pack_mm(x, packed[0], GROUP, sz[0])
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            errors.append(str(e).splitlines()[0][:160])
+            continue
+        return lambda i: torch._weight_int4pack_mm(x, packed[i], GROUP, sz[i])
+    print(f"tinygemm unavailable for K={k} N={n}: {errors}")
+    return None
+
+
+def _auto_path(m: int) -> str:
+    if m == 1:
+        return "gemv"
+    if m <= 16:
+        return "splitk"
+    return "tiled" if m < tk.DEQUANT_MIN_M else "dequant+mm"
+
+
+def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
+    dev = DEVICE
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+    qweight = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev) for _ in range(COPIES)]
+    scales = [(torch.rand(k // GROUP, n, device=dev) * 0.01 + 1e-3).half() for _ in range(COPIES)]
+    dense = [tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).contiguous() for i in range(COPIES)]
+
+    ours = w4a16_matmul(x, qweight[0], scales[0], 4, GROUP)
+    expect = F.linear(x, dense[0]).float()
+    rel_err = float((ours.float() - expect).norm() / expect.norm())
+
+    row: dict = {"layer": name, "K": k, "N": n, "M": m, "path": _auto_path(m), "rel_err_vs_dense": rel_err}
+    row["cublas_us"] = _time_us(lambda i: F.linear(x, dense[i]), rep)
+    row["ours_us"] = _time_us(lambda i: w4a16_matmul(x, qweight[i], scales[i], 4, GROUP), rep)
+    tiny = _tinygemm(x, k, n)
+    row["tinygemm_us"] = _time_us(tiny, rep) if tiny is not None else None
+
+    alt: dict[str, float] = {}
+    if m == 1:
+        alt["splitk"] = _time_us(lambda i: tk.matmul_splitk(x, qweight[i], scales[i], 4, GROUP), rep)
+    if m > 1:
+        alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
+
+        def dequant_mm(i: int) -> torch.Tensor:
+            return x @ tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).t()
+
+        alt["dequant+mm"] = _time_us(dequant_mm, rep)
+    alt.pop(row["path"], None)
+    row["alt_us"] = alt
+
+    weight_bytes = k * n // 2 + (k // GROUP) * n * 2
+    row["speedup_vs_cublas"] = row["cublas_us"] / row["ours_us"]
+    row["speedup_vs_tinygemm"] = row["tinygemm_us"] / row["ours_us"] if row["tinygemm_us"] else None
+    row["weight_TBps"] = weight_bytes / row["ours_us"] / 1e6
+    row["TFLOPs"] = 2 * m * k * n / row["ours_us"] / 1e6
+    return row
+
+
+def _fmt(v: float | None, width: int, digits: int) -> str:
+    return ("-" if v is None else f"{v:.{digits}f}").rjust(width)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--out", type=Path, required=True, help="folder (kernels_w4a16.json is written there) or .json file"
+    )
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=list(MS))
+    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    rows = []
+    head = (
+        f"{'layer':14} {'M':>5} {'path':>10} {'cuBLAS us':>10} {'tinygemm':>9} {'ours us':>9} {'x cuBLAS':>8} "
+        f"{'x tiny':>7} {'TB/s w':>7} {'TFLOP/s':>8}  alt paths (us)"
+    )
+    print(head)
+    print("-" * len(head))
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        for m in args.m:
+            r = bench_shape(name, k, n, m, args.rep)
+            rows.append(r)
+            alt = " ".join(f"{p}={t:.1f}" for p, t in r["alt_us"].items())
+            print(
+                f"{name:14} {m:>5} {r['path']:>10} {r['cublas_us']:>10.1f} {_fmt(r['tinygemm_us'], 9, 1)} "
+                f"{r['ours_us']:>9.1f} {r['speedup_vs_cublas']:>8.2f} {_fmt(r['speedup_vs_tinygemm'], 7, 2)} "
+                f"{r['weight_TBps']:>7.2f} {r['TFLOPs']:>8.1f}  {alt}",
+                flush=True,
+            )
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "group_size": GROUP,
+        "weight_copies": COPIES,
+        "dequant_min_m": tk.DEQUANT_MIN_M,
+        "rows": rows,
+    }
+    out = args.out if args.out.suffix == ".json" else args.out / "kernels_w4a16.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

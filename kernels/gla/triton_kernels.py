@@ -1,0 +1,464 @@
+"""Triton kernels for Simple GLA: chunked prefill (chunk 64) and fused recurrent decode.
+
+Layout as in ``salaquant.model.gla``: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` (last dim contiguous,
+other strides free), state ``[B, H, K, V]`` fp32, ``g_gamma: [H]`` log decay ``<= 0``. Outputs are fp32.
+
+Prefill runs two kernels:
+
+* ``_chunk_state_kernel``, grid ``(K tiles, V tiles, B*H)``: walks the chunks in order with an fp32
+  state tile and stores ``h_c``, the state at the start of chunk ``c``, into ``[B, H, NT, K, V]``
+  (bf16 for bf16 inputs, fp32 otherwise); then ``h_next = exp(g L) h + sum_j exp(g (L-1-j)) k_j v_j^T``.
+* ``_chunk_output_kernel``, grid ``(V tiles, chunks, B*H)``:
+  ``o_i = scale * (exp(g (i+1)) q_i^T h_c + sum_{j<=i} exp(g (i-j)) (q_i . k_j) v_j)``.
+
+Decode runs ``_recurrent_kernel``, grid ``(V tiles, B*H)``: one program holds a ``[K, BV]`` fp32 state
+tile (the whole K, so no split-K reduction) and steps through the T tokens:
+``S = exp(g) S + k v^T``, ``o = scale * q^T S``. It can write the final state over the initial one.
+
+Every decay factor is ``exp`` of a non-positive number computed in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...model.gla import _check_inputs
+
+__all__ = ["CHUNK", "PRECISIONS", "chunk_fwd", "recurrent_fwd"]
+
+CHUNK = 64
+"""Chunk length of the prefill kernels."""
+
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+"""``tl.dot`` input precisions for fp32 operands (ignored for bf16/fp16 inputs)."""
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(options: list[tuple[int, int, int, int]], interpret: tuple[int, int]) -> list[triton.Config]:
+    """Autotune configs ``(BK, BV, num_warps, num_stages)``; a single small one under the interpreter."""
+    if _INTERPRET:
+        options = [(interpret[0], interpret[1], 4, 1)]
+    return [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s) for bk, bv, w, s in options]
+
+
+_STATE_CONFIGS = _configs(
+    [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 64, 8, 3),
+        (32, 64, 4, 3),
+        (64, 32, 4, 3),
+        (32, 32, 4, 3),
+        (32, 32, 2, 4),
+        (128, 32, 8, 3),
+    ],
+    interpret=(32, 32),
+)
+
+_OUTPUT_CONFIGS = _configs(
+    [
+        (128, 64, 4, 2),
+        (128, 64, 8, 2),
+        (64, 64, 4, 3),
+        (64, 64, 8, 3),
+        (128, 128, 8, 2),
+        (64, 128, 8, 3),
+        (64, 32, 4, 3),
+        (128, 32, 4, 2),
+    ],
+    interpret=(32, 32),
+)
+
+
+@triton.autotune(configs=_STATE_CONFIGS, key=["K", "V"])
+@triton.jit
+def _chunk_state_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    h_ptr,
+    h0_ptr,
+    ht_ptr,
+    T,
+    H,
+    NT,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    g = tl.load(g_ptr + i_h).to(tl.float32)
+
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+    pos = tl.arange(0, BT)
+
+    if USE_H0:
+        state = tl.load(h0_ptr + i_bh * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+
+    k_base = k_ptr + i_b * s_kb + i_h * s_kh
+    v_base = v_ptr + i_b * s_vb + i_h * s_vh
+    h_base = h_ptr + i_bh * NT * K * V
+    for i_t in range(NT):
+        tl.store(h_base + i_t * K * V + off_kv, state.to(h_ptr.dtype.element_ty), mask=m_kv)
+        t0 = i_t * BT
+        rows = (t0 + pos).to(tl.int64)
+        m_t = rows < T
+        b_k = tl.load(k_base + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        length = tl.minimum(T - t0, BT).to(tl.float32)
+        # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
+        k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
+        b_kd = (b_k.to(tl.float32) * k_decay[:, None]).to(b_k.dtype)
+        state = state * tl.exp(g * length) + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
+
+    if STORE_HT:
+        tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
+
+
+@triton.autotune(configs=_OUTPUT_CONFIGS, key=["K", "V"])
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    h_ptr,
+    o_ptr,
+    scale,
+    T,
+    H,
+    NT,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    g = tl.load(g_ptr + i_h).to(tl.float32)
+
+    pos = tl.arange(0, BT)
+    rows = (i_t * BT + pos).to(tl.int64)
+    m_t = rows < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+
+    q_base = q_ptr + i_b * s_qb + i_h * s_qh
+    k_base = k_ptr + i_b * s_kb + i_h * s_kh
+    h_base = h_ptr + (i_bh * NT + i_t) * K * V
+
+    b_inter = tl.zeros([BT, BV], dtype=tl.float32)
+    b_attn = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k_base + rows[:, None] * s_kt + o_k[None, :], mask=m_tk, other=0.0)
+        b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
+        b_attn += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+
+    # exp(g (i + 1)) on the carried state; exp(g (i - j)) for j <= i inside the chunk
+    q_decay = tl.exp(g * (pos + 1).to(tl.float32))
+    diff = pos[:, None] - pos[None, :]
+    causal = diff >= 0
+    b_attn = b_attn * tl.where(causal, tl.exp(g * tl.where(causal, diff, 0).to(tl.float32)), 0.0)
+
+    b_v = tl.load(
+        v_ptr + i_b * s_vb + i_h * s_vh + rows[:, None] * s_vt + o_v[None, :],
+        mask=m_t[:, None] & m_v[None, :],
+        other=0.0,
+    )
+    b_o = b_inter * q_decay[:, None] + tl.dot(b_attn.to(b_v.dtype), b_v, input_precision=PREC)
+    b_o = b_o * scale
+    o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
+    tl.store(o_ptrs, b_o, mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    o_ptr,
+    h0_ptr,
+    ht_ptr,
+    scale,
+    T,
+    H,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_vb,
+    s_vt,
+    s_vh,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    decay = tl.exp(tl.load(g_ptr + i_h).to(tl.float32))
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+
+    if USE_H0:
+        state = tl.load(h0_ptr + i_bh * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+
+    q_base = q_ptr + i_b * s_qb + i_h * s_qh
+    k_base = k_ptr + i_b * s_kb + i_h * s_kh
+    v_base = v_ptr + i_b * s_vb + i_h * s_vh
+    o_base = o_ptr + (i_b * T * H + i_h) * V
+    for t in range(T):
+        b_q = tl.load(q_base + t * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_base + t * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v_base + t * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
+        state = state * decay + b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(state * b_q[:, None], axis=0) * scale
+        tl.store(o_base + t * H * V + o_v, b_o, mask=m_v)
+
+    if STORE_HT:
+        tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Shape checks; one dtype for q/k/v with unit stride on the last dim; fp32 contiguous g_gamma and state."""
+    _check_inputs(q, k, v, g_gamma, initial_state)
+    dtype = q.dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != dtype or v.dtype != dtype:
+        dtype = torch.float32
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g = g_gamma.to(device=q.device, dtype=torch.float32).contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.to(device=q.device, dtype=torch.float32).contiguous()
+    return q, k, v, g, initial_state
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def chunk_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    precision: str = "tf32",
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked prefill (chunk 64). Returns ``o [B, T, H, V]`` fp32 and the fp32 final state if asked.
+
+    ``precision`` is the ``tl.dot`` input precision for fp32 inputs (``"tf32"`` as fla, ``"tf32x3"``,
+    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots.
+    """
+    _check_precision(precision)
+    q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    o = torch.empty(b, t, h, dv, dtype=torch.float32, device=q.device)
+    if t == 0:
+        if not output_final_state:
+            return o, None
+        final = h0.clone() if h0 is not None else torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+        return o, final
+    nt = triton.cdiv(t, CHUNK)
+    h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    states = torch.empty(b, h, nt, dk, dv, dtype=h_dtype, device=q.device)
+    ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
+
+    def state_grid(meta: dict) -> tuple[int, int, int]:
+        return (triton.cdiv(dk, meta["BK"]), triton.cdiv(dv, meta["BV"]), b * h)
+
+    _chunk_state_kernel[state_grid](
+        k,
+        v,
+        g,
+        states,
+        h0 if h0 is not None else states,
+        ht if ht is not None else states,
+        t,
+        h,
+        nt,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        K=dk,
+        V=dv,
+        BT=CHUNK,
+        USE_H0=h0 is not None,
+        STORE_HT=ht is not None,
+        PREC=precision,
+    )
+
+    def output_grid(meta: dict) -> tuple[int, int, int]:
+        return (triton.cdiv(dv, meta["BV"]), nt, b * h)
+
+    _chunk_output_kernel[output_grid](
+        q,
+        k,
+        v,
+        g,
+        states,
+        o,
+        float(scale),
+        t,
+        h,
+        nt,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        K=dk,
+        V=dv,
+        BT=CHUNK,
+        PREC=precision,
+    )
+    return o, ht
+
+
+def _recurrent_block_v(batch_heads: int, dv: int) -> int:
+    """V tile of the decode kernel: 32, or 16 when that leaves too few programs to fill the GPU."""
+    bv = min(triton.next_power_of_2(dv), 32)
+    if bv > 16 and batch_heads * triton.cdiv(dv, bv) < 512:
+        bv = 16
+    return bv
+
+
+def recurrent_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_gamma: Tensor,
+    scale: float,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Fused recurrent form for short inputs (decode). Returns ``o [B, T, H, V]`` fp32 and the final state.
+
+    With ``inplace`` the final state is written over ``initial_state`` (which must then be a contiguous
+    fp32 tensor on the inputs' device) and that tensor is returned as the final state.
+    """
+    if inplace:
+        if initial_state is None:
+            raise ValueError("inplace needs an initial_state to update")
+        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("inplace needs a contiguous fp32 initial_state")
+        if initial_state.device != q.device:
+            raise ValueError("inplace needs initial_state on the device of q")
+    q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    o = torch.empty(b, t, h, dv, dtype=torch.float32, device=q.device)
+    store = output_final_state or inplace
+    if inplace:
+        ht = initial_state
+    elif store:
+        ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device)
+    else:
+        ht = None
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = _recurrent_block_v(b * h, dv)
+    grid = (triton.cdiv(dv, bv), b * h)
+    _recurrent_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        o,
+        h0 if h0 is not None else o,
+        ht if ht is not None else o,
+        float(scale),
+        t,
+        h,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        K=dk,
+        V=dv,
+        BK=bk,
+        BV=bv,
+        USE_H0=h0 is not None,
+        STORE_HT=store,
+        num_warps=4,
+    )
+    return o, (ht if output_final_state or inplace else None)

@@ -1,0 +1,114 @@
+"""InfLLM-v2 block-sparse attention: Triton kernels dispatched beside the PyTorch reference.
+
+``backend``: ``"auto"`` runs Triton on CUDA tensors (when triton is installed) and the reference
+otherwise; ``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``); ``"reference"``
+forces ``salaquant.model.sparse_attention``. Key compression, block max-pooling and top-k selection
+always use the reference functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from salaquant.model import sparse_attention as ref
+from salaquant.model.sparse_attention import SparseParams
+
+__all__ = ["BACKENDS", "SELECT_CHUNK", "block_sparse_attention", "infllm_v2_attention", "stage1_scores"]
+
+BACKENDS = ("auto", "triton", "reference")
+SELECT_CHUNK = 8192
+"""Queries scored and selected per step in ``infllm_v2_attention`` (bounds the ``[.., chunk, n1]`` buffers)."""
+
+
+def _kernels() -> ModuleType:
+    from salaquant.kernels.infllm import triton_kernels
+
+    return triton_kernels
+
+
+def _use_triton(backend: str, *tensors: Tensor) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        return on_cuda and importlib.util.find_spec("triton") is not None
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    return True
+
+
+def stage1_scores(
+    q: Tensor,
+    k1: Tensor,
+    k2: Tensor,
+    q_start: int,
+    params: SparseParams,
+    query_chunk: int = 512,
+    backend: str = "auto",
+) -> Tensor:
+    """Stage-1 block-relevance scores ``[B, Hkv, Tq, n1]`` (fp32); see the reference ``stage1_scores``."""
+    if _use_triton(backend, q, k1, k2):
+        return _kernels().stage1_scores(q, k1, k2, q_start, params)
+    return ref.stage1_scores(q, k1, k2, q_start, params, query_chunk=query_chunk)
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_idx: Tensor,
+    q_start: int,
+    params: SparseParams,
+    query_chunk: int = 256,
+    backend: str = "auto",
+) -> Tensor:
+    """Attention over the selected key blocks, ``[B, Tq, Hq, D]`` in ``q.dtype``; see the reference."""
+    if _use_triton(backend, q, k, v, block_idx):
+        return _kernels().block_sparse_attention(q, k, v, block_idx, q_start, params)
+    return ref.block_sparse_attention(q, k, v, block_idx, q_start, params, query_chunk=query_chunk)
+
+
+def infllm_v2_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: SparseParams,
+    k1: Tensor | None = None,
+    k2: Tensor | None = None,
+    backend: str = "auto",
+    *,
+    select_chunk: int = SELECT_CHUNK,
+) -> Tensor:
+    """Full InfLLM-v2 pipeline; queries are the last ``Tq`` of the ``Tk`` keys.
+
+    ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). Scoring,
+    pooling and selection run ``select_chunk`` queries at a time; stage 2 runs once over all queries.
+    """
+    tq, tk = q.shape[1], k.shape[1]
+    if tq > tk:
+        raise ValueError(f"more queries ({tq}) than keys ({tk})")
+    if select_chunk < 1:
+        raise ValueError(f"select_chunk must be >= 1, got {select_chunk}")
+    q_start = tk - tq
+    if k1 is None:
+        k1 = ref.compress_keys(k, params.kernel_size, params.kernel_stride)
+    if k2 is None:
+        k2 = ref.compress_keys(k, params.kernel_size2, params.kernel_stride2)
+    n_blocks = -(-tk // params.block_size)
+    n_sel = min(params.total_topk, n_blocks)
+    idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
+    for c0 in range(0, tq, select_chunk):
+        c1 = min(tq, c0 + select_chunk)
+        start = q_start + c0
+        scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
+        blocks = ref.block_scores(scores, start, tk, params)
+        del scores
+        idx[:, :, c0:c1] = ref.select_blocks(blocks, start, params)
+    return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)

@@ -1,0 +1,644 @@
+"""Triton kernels for the W4A16 GEMM on GPTQ v1 tensors (see ``reference.py`` for the layout).
+
+Paths, chosen by ``matmul`` from the number of activation rows ``M``:
+
+* ``M == 1``, ``gemv``: CUDA-core GEMV with split-K. A program owns a ``BLOCK_N`` column tile and a run of K tiles;
+  it loads each ``[BLOCK_K / p, BLOCK_N]`` tile of int32 words once (the next tile's load is issued before this
+  tile's math) and takes the ``p`` values out of every word with masks (``_word_value``: one logic op and one FMA
+  per value, exact), multiplies them by the activation into a 2-D fp32 accumulator and applies the group scale
+  once per word row.
+* ``2 <= M <= 16``, ``splitk``: the same split-K tiling with ``tl.dot`` on a 16-row activation tile. Value ``j``
+  of the words of a tile holds K rows ``p * r + j``, so each ``j`` is one ``tl.dot`` of a strided activation slice
+  with a ``[BLOCK_K / p, BLOCK_N]`` weight slice and no word is loaded twice. When a K tile lies inside one group
+  the exact integer codes go into the dot and the scale multiplies the fp32 tile sum.
+* ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
+  order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
+* ``M >= DEQUANT_MIN_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
+  runs in ``torch.matmul``: at that size the GEMM is compute-bound and the dequantization costs a few percent.
+
+Split-K reduction (``gemv``, ``splitk``): every program stores its fp32 partial tile into a workspace, then
+increments a per-column-tile counter; the program that completes the count sums the partials in split order,
+writes the output in the activation dtype and resets the counter. One launch, no atomics on data, and
+run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch leaves zeroed.
+
+The launch configurations are autotuned per shape on first use (a few hundred ms per shape): run each shape once
+before capturing a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .reference import check_operands
+
+__all__ = ["DEQUANT_MIN_M", "dequantize", "matmul", "matmul_gemv", "matmul_splitk", "matmul_tiled"]
+
+DEQUANT_MIN_M = 1024
+"""From this many activation rows on, ``matmul`` dequantizes the weight and calls ``torch.matmul``."""
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DECODE_WAVES = 4  # split-K aims at this many programs per SM
+_MIN_TILES_PER_SPLIT = 2  # and gives every program at least this many K tiles when it can
+_CPU_SMS = 4  # stands in for the SM count under the interpreter
+_MAGIC = 0x4B000000  # fp32 bits of 2**23 (see _word_value)
+
+
+def _bench(kernel_call, quantiles):
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _cfg(num_warps: int, num_stages: int, **meta: int) -> triton.Config:
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+if _INTERPRET:
+    _GEMV_CONFIGS = [_cfg(4, 1, BLOCK_N=128, BLOCK_K=64)]
+    _SPLITK_CONFIGS = [_cfg(4, 1, BLOCK_N=128, BLOCK_K=128)]
+    _TILED_CONFIGS = [_cfg(4, 1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, EXPAND=True)]
+else:
+    # GEMV and split-K prefetch the next word tile by hand; num_stages plays no part there.
+    _GEMV_CONFIGS = [
+        _cfg(4, 1, BLOCK_N=128, BLOCK_K=128),
+        _cfg(4, 1, BLOCK_N=64, BLOCK_K=256),
+        _cfg(4, 1, BLOCK_N=256, BLOCK_K=64),
+        _cfg(4, 1, BLOCK_N=128, BLOCK_K=64),
+        _cfg(8, 1, BLOCK_N=256, BLOCK_K=128),
+        _cfg(8, 1, BLOCK_N=128, BLOCK_K=256),
+        _cfg(8, 1, BLOCK_N=512, BLOCK_K=64),
+    ]
+    _SPLITK_CONFIGS = [
+        _cfg(4, 1, BLOCK_N=128, BLOCK_K=128),
+        _cfg(4, 1, BLOCK_N=64, BLOCK_K=256),
+        _cfg(4, 1, BLOCK_N=64, BLOCK_K=128),
+        _cfg(2, 1, BLOCK_N=64, BLOCK_K=128),
+        _cfg(8, 1, BLOCK_N=256, BLOCK_K=128),
+        _cfg(8, 1, BLOCK_N=128, BLOCK_K=256),
+    ]
+    _TILED_CONFIGS = [
+        _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPAND=True),
+        _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPAND=False),
+        _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, EXPAND=True),
+        _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
+        _cfg(8, 3, BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, EXPAND=True),
+        _cfg(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
+        _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, EXPAND=False),
+        _cfg(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
+    ]
+
+
+def _prune_tiled(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles much taller than the activation (``M_BUCKET`` is M rounded up to a power of two)."""
+    cap = max(32, named_args["M_BUCKET"])
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= cap]
+    return kept or configs[:1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _word_value(words, hi, MAGIC, J: tl.constexpr, BITS: tl.constexpr):
+    """``code - 2**(BITS-1)`` (fp32, exact) of the ``J``-th value of each word; ``hi`` is ``words >> 16``.
+
+    The value is masked in place (no shift) inside the low 16 bits of ``words`` or ``hi`` and OR-ed into the
+    mantissa of 2**23 (``MAGIC`` = 0x4B000000), giving ``2**23 + code * 2**S`` with ``S = BITS * (J % (16 / BITS))``;
+    one FMA with ``2**-S`` then removes the offset and the zero point: one logic op and one FMA per value.
+    ``MAGIC`` is a run-time argument so that the mask and the OR compile to a single three-input logic op.
+    """
+    HALF: tl.constexpr = 16 // BITS
+    S: tl.constexpr = (J % HALF) * BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << S
+    bits = (words if J < HALF else hi) & MASK
+    f = (bits | MAGIC).to(tl.float32, bitcast=True)
+    return tl.fma(f, 1.0 / (1 << S), -(8388608.0 / (1 << S) + (1 << (BITS - 1))))
+
+
+@triton.jit
+def _k_slice(K, BLOCK_K: tl.constexpr):
+    """K tiles ``[start, end)`` of this program's split (axis 1 of the grid enumerates the splits)."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(k_tiles, tl.num_programs(1))
+    start = tl.program_id(1) * per
+    return start, tl.minimum(start + per, k_tiles)
+
+
+@triton.jit
+def _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym):
+    """Write ``acc`` (fp32 ``[BM, BN]``) to ``y``, summing the splits of this column tile first if split."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    n_split = tl.num_programs(1)
+    if n_split == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
+        # Every thread's partial is stored before one thread publishes the count (release, GPU scope).
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
+        if done == n_split - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, n_split):
+                total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels. Scale modes, fixed at compile time: GROUP_SIZE <= 0 means one group (scaled once at the end); a
+# multiple of BLOCK_K means one scale row per K tile; otherwise one scale row per word row (GROUP_SIZE is a
+# multiple of 32 / BITS, so the values of one word share a group).
+
+
+@triton.jit
+def _load_words(w_ptr, t, t_end, offs_r, offs_n, N, K, ROWS: tl.constexpr, PACK: tl.constexpr):
+    """Word tile ``t`` (``[ROWS, BLOCK_N]`` int32, zeros outside the matrix or past ``t_end``)."""
+    rows = t * ROWS + offs_r
+    mask = (rows < tl.minimum(K // PACK, t_end * ROWS))[:, None] & (offs_n < N)[None, :]
+    return tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+
+
+@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "BITS", "GROUP_SIZE"], do_bench=_bench)
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    N,
+    K,
+    MAGIC,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
+
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, ROWS)
+    t_start, t_end = _k_slice(K, BLOCK_K)
+    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    words = _load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+    for t in range(t_start, t_end):
+        # Issue the next tile's loads before this tile's math.
+        nxt = _load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+        rows = t * ROWS + offs_r
+        mask_r = rows < K // PACK
+        hi = words >> 16
+        part = acc if ONE_GROUP else tl.zeros((ROWS, BLOCK_N), tl.float32)
+        for j in tl.static_range(PACK):
+            xj = tl.load(x_ptr + rows * PACK + j, mask=mask_r, other=0.0).to(tl.float32)
+            part += xj[:, None] * _word_value(words, hi, MAGIC, j, BITS)
+        if ONE_GROUP:
+            acc = part
+        elif TILE_SCALE:
+            s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
+            acc += part * s.to(tl.float32)[None, :]
+        else:
+            g = rows * PACK // GROUP_SIZE
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            acc += part * s.to(tl.float32)
+        words = nxt
+    y = tl.sum(acc, axis=0)
+    if ONE_GROUP:
+        y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    _split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
+
+
+@triton.autotune(configs=_SPLITK_CONFIGS, key=["N", "K", "BITS", "GROUP_SIZE"], do_bench=_bench)
+@triton.jit
+def _splitk_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    MAGIC,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
+    dtype = x_ptr.dtype.element_ty
+
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, ROWS)
+    t_start, t_end = _k_slice(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    words = _load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+    for t in range(t_start, t_end):
+        nxt = _load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+        rows = t * ROWS + offs_r
+        mask_r = rows < K // PACK
+        hi = words >> 16
+        # Value j of word row r is K row PACK * r + j: one dot per j with the matching strided slice of x.
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + rows[None, :] * PACK
+        x_mask = mask_m[:, None] & mask_r[None, :]
+        if ONE_GROUP:
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
+                acc = tl.dot(xj, _word_value(words, hi, MAGIC, j, BITS).to(dtype), acc, input_precision=DOT_PRECISION)
+        elif TILE_SCALE:
+            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
+                part = tl.dot(xj, _word_value(words, hi, MAGIC, j, BITS).to(dtype), part, input_precision=DOT_PRECISION)
+            s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
+            acc += part * s.to(tl.float32)[None, :]
+        else:
+            g = rows * PACK // GROUP_SIZE
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            s = s.to(tl.float32)
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
+                wj = (_word_value(words, hi, MAGIC, j, BITS) * s).to(dtype)
+                acc = tl.dot(xj, wj, acc, input_precision=DOT_PRECISION)
+        words = nxt
+    if ONE_GROUP:
+        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+
+
+@triton.autotune(
+    configs=_TILED_CONFIGS,
+    key=["M_BUCKET", "N", "K", "BITS", "GROUP_SIZE"],
+    prune_configs_by={"early_config_prune": _prune_tiled},
+    do_bench=_bench,
+)
+@triton.jit
+def _tiled_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    MAGIC,
+    M_BUCKET,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    GROUP_M: tl.constexpr = 8,
+):
+    """One ``tl.dot`` per K tile on the dequantized ``[BLOCK_K, BLOCK_N]`` weight tile in natural K order.
+
+    The tile's word of K row ``k`` is word row ``k // PACK``: with ``EXPAND`` the packed ``[BLOCK_K / PACK,
+    BLOCK_N]`` words are loaded once and each row repeated ``PACK`` times in registers; without it every K row
+    loads its word (repeated addresses, fewer register shuffles, ``PACK`` times the shared-memory staging).
+    """
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
+    dtype = x_ptr.dtype.element_ty
+
+    # Grouped launch order: GROUP_M row tiles sweep the column tiles together, so weight tiles stay in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows_here
+    pid_n = (pid % width) // rows_here
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows_m = offs_m.to(tl.int64)[:, None]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, ROWS)
+    shifts = ((offs_k % PACK) * BITS)[:, None]
+    if ONE_GROUP:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < K
+        a = tl.load(x_ptr + rows_m * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if EXPAND:
+            rows = k0 // PACK + offs_r
+            w_mask = (rows < K // PACK)[:, None] & mask_n[None, :]
+            packed = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+            words = tl.reshape(tl.broadcast_to(packed[:, None, :], (ROWS, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:
+            w_mask = mask_k[:, None] & mask_n[None, :]
+            words = tl.load(w_ptr + (kk // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+        code = (words >> shifts) & ((1 << BITS) - 1)
+        w = (code | MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
+        if TILE_SCALE:
+            s = tl.load(s_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        elif not ONE_GROUP:
+            s_mask = mask_k[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + (kk // GROUP_SIZE)[:, None] * N + offs_n[None, :], mask=s_mask, other=0.0)
+            s = s.to(tl.float32)
+        acc = tl.dot(a, (w * s).to(dtype), acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + rows_m * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    MAGIC,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``out [K, N] = (code - zero) * scale`` in ``out``'s dtype."""
+    PACK: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < K // PACK)[:, None] & (offs_n < N)[None, :]
+    words = tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    if GROUP_SIZE <= 0:
+        s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    else:
+        s = tl.load(s_ptr + (rows * PACK // GROUP_SIZE)[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+        s = s.to(tl.float32)
+    hi = words >> 16
+    for j in tl.static_range(PACK):
+        w = _word_value(words, hi, MAGIC, j, BITS) * s
+        tl.store(out_ptr + (rows * PACK + j)[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+
+_COUNTERS: dict[tuple, Tensor] = {}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    """Zeroed int32 split-K counters (at least ``n``) for the current stream of ``device``."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> int:
+    """Number of K splits with no empty split (the kernel recomputes the tiles per split from it)."""
+    if split_k is None:
+        split_k = min(k_tiles // _MIN_TILES_PER_SPLIT, triton.cdiv(_DECODE_WAVES * sms, n_tiles))
+    split_k = max(1, min(int(split_k), k_tiles))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
+
+
+def _kernel_group(group_size: int, k: int) -> int:
+    """``GROUP_SIZE`` constexpr: ``-1`` when the whole K is one group (also ``group_size >= K``)."""
+    return -1 if group_size >= k else group_size
+
+
+def _prepare(x: Tensor, qweight: Tensor, scales: Tensor, bits: int, group_size: int):
+    k, n, gs = check_operands(qweight, scales, bits, group_size)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, K={k}], got {list(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device} but qweight is on {qweight.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, qweight.contiguous(), scales.contiguous(), k, n, _kernel_group(gs, k)
+
+
+def _output(out: Tensor | None, m: int, n: int, x: Tensor) -> Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"out must be a row-major {x.dtype} tensor [{m}, {n}] on {x.device}")
+    return out
+
+
+def _dot_precision(x: Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _run(kernel, config: triton.Config | None, grid, *args, **meta) -> None:
+    """Launch an autotuned ``kernel``, or its plain JIT function with the fixed ``config``."""
+    if config is None:
+        kernel[grid](*args, **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) -> None:
+    """Launch a split-K kernel, with workspace and counters sized for the largest split any config picks."""
+    m, n = y.shape
+    k = x.shape[1]
+    sms = _sm_count(x.device)
+    configs = kernel.configs if config is None else [config]
+
+    def splits(c: dict) -> int:
+        return _split_count(triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(k, c["BLOCK_K"]), sms, split_k)
+
+    max_split = max(splits(c.kwargs) for c in configs)
+    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
+    if x.device.type != "cuda":
+        part.fill_(float("nan"))  # a read of an unwritten partial then shows up in the result
+    cnt = _counters(x.device, max(triton.cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits(meta))  # noqa: E731
+    _run(kernel, config, grid, x, qweight, scales, y, part, cnt, *args, **meta)
+
+
+def matmul_gemv(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    split_k: int | None = None,
+    config: triton.Config | None = None,
+) -> Tensor:
+    """``x [1, K] @ W^T`` with the CUDA-core split-K GEMV.
+
+    ``split_k`` overrides the split heuristic and ``config`` the autotuned launch configuration.
+    """
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    if x.shape[0] != 1:
+        raise ValueError(f"the GEMV takes one activation row, got {x.shape[0]}")
+    y = _output(out, 1, n, x)
+    _split_k_run(_gemv_kernel, config, x, qweight, scales, y, split_k, n, k, _MAGIC, BITS=bits, GROUP_SIZE=gs)
+    return y
+
+
+def matmul_splitk(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    split_k: int | None = None,
+    config: triton.Config | None = None,
+) -> Tensor:
+    """``x [M, K] @ W^T`` for ``M <= 16`` with the split-K ``tl.dot`` kernel (``split_k``, ``config``: as the GEMV)."""
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    m = x.shape[0]
+    if not 1 <= m <= 16:
+        raise ValueError(f"the split-K kernel takes 1 to 16 activation rows, got {m}")
+    y = _output(out, m, n, x)
+    _split_k_run(
+        _splitk_kernel,
+        config,
+        x,
+        qweight,
+        scales,
+        y,
+        split_k,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        _MAGIC,
+        BITS=bits,
+        GROUP_SIZE=gs,
+        DOT_PRECISION=_dot_precision(x),
+        BLOCK_M=16,
+    )
+    return y
+
+
+def matmul_tiled(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    config: triton.Config | None = None,
+) -> Tensor:
+    """``x [M, K] @ W^T`` with the tiled kernel (weight tiles dequantized to ``x.dtype``, ``tl.dot``)."""
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    m = x.shape[0]
+    y = _output(out, m, n, x)
+    if m == 0:
+        return y
+    bucket = min(triton.next_power_of_2(m), 4096)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _run(
+        _tiled_kernel,
+        config,
+        grid,
+        x,
+        qweight,
+        scales,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        _MAGIC,
+        bucket,
+        BITS=bits,
+        GROUP_SIZE=gs,
+        DOT_PRECISION=_dot_precision(x),
+    )
+    return y
+
+
+def dequantize(
+    qweight: Tensor, scales: Tensor, bits: int = 4, group_size: int = 128, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Weight ``[N, K]`` in ``dtype``: the transposed view of a row-major ``[K, N]`` buffer."""
+    k, n, gs = check_operands(qweight, scales, bits, group_size)
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_r, block_n = (16, 128) if _INTERPRET else (8, 256)
+    grid = (triton.cdiv(qweight.shape[0], block_r), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](
+        qweight,
+        scales,
+        out,
+        n,
+        k,
+        _MAGIC,
+        BITS=bits,
+        GROUP_SIZE=_kernel_group(gs, k),
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out.t()
+
+
+def matmul(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x [M, K] @ W^T`` on the path that suits ``M`` (see the module docstring)."""
+    m = x.shape[0]
+    if m == 1:
+        return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
+    if 1 < m <= 16:
+        return matmul_splitk(x, qweight, scales, bits, group_size, out=out)
+    if m < DEQUANT_MIN_M:
+        return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
+    x, qweight, scales, _, n, _ = _prepare(x, qweight, scales, bits, group_size)
+    w = dequantize(qweight, scales, bits, group_size, dtype=x.dtype)
+    return torch.matmul(x, w.t(), out=_output(out, m, n, x))

@@ -1,0 +1,111 @@
+"""``load(path)``: a SALA model whose quantized linears run from their packed tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..model.checkpoint import CheckpointReader
+from ..model.config import SalaConfig
+from ..model.layout import parameter_shapes
+from ..model.loading import _check_keys, resolve_dtype
+from ..model.modeling import SalaForCausalLM
+from .linear import GPTQLinear, NVFP4Linear
+
+
+def checkpoint_format(reader: CheckpointReader) -> str:
+    """ "bf16", "gptq" or "nvfp4", from config.json's quantization_config."""
+    qc = reader.config().get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method is None:
+        return "bf16"
+    if method == "gptq":
+        return "gptq"
+    if method == "modelopt" and "FP4" in str(qc.get("quant_algo", "")):
+        return "nvfp4"
+    raise ValueError(f"{reader.path}: quantization_config.quant_method {method!r} is not supported by the runtime")
+
+
+def use_kernels(model: SalaForCausalLM, backend: str = "auto") -> None:
+    """Route GLA and sparse attention through ``salaquant.kernels`` (Triton on CUDA, references elsewhere)."""
+    from ..kernels.gla import simple_gla
+    from ..kernels.infllm import infllm_v2_attention
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "gla_fn"):
+            attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
+        if hasattr(attn, "sparse_fn"):
+            attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
+
+
+def load(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype = "bf16",
+    backend: str = "auto",
+    kernels: bool = True,
+) -> SalaForCausalLM:
+    """Load a bf16, GPTQ or NVFP4 checkpoint (detected from its config) into ``SalaForCausalLM``.
+
+    Quantized linears become ``GPTQLinear`` / ``NVFP4Linear`` modules holding the packed tensors; every other
+    tensor is loaded as stored (cast to ``dtype``). With ``kernels`` the GLA and sparse-attention calls go
+    through ``salaquant.kernels`` too.
+    """
+    reader = CheckpointReader(path)
+    config = SalaConfig.from_dict(reader.config())
+    fmt = checkpoint_format(reader)
+    dt = resolve_dtype(dtype)
+    shapes = parameter_shapes(config)
+    _check_keys(reader, shapes)
+    with torch.device("meta"):
+        model = SalaForCausalLM(config)
+    qc = reader.config().get("quantization_config") or {}
+    state: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        module_name = name.removesuffix(".weight")
+        if fmt == "gptq" and f"{module_name}.qweight" in reader:
+            from ..gptq.dynamic import plan_for
+
+            plan = plan_for(qc.get("dynamic") or {}, module_name, int(qc["bits"]), int(qc["group_size"]))
+            assert plan.bits is not None
+            _swap(
+                model,
+                module_name,
+                GPTQLinear(
+                    reader.get(f"{module_name}.qweight", device),
+                    reader.get(f"{module_name}.scales", device),
+                    plan.bits,
+                    plan.group_size,
+                    backend,
+                ),
+            )
+        elif fmt == "nvfp4" and name in reader and reader.dtype(name) == torch.uint8:
+            _swap(
+                model,
+                module_name,
+                NVFP4Linear(
+                    reader.get(name, device),
+                    reader.get(f"{module_name}.weight_scale", device),
+                    reader.get(f"{module_name}.weight_scale_2", device),
+                    backend,
+                ),
+            )
+        else:
+            state[name] = reader.get_checked(name, shapes[name]).to(device=device, dtype=dt)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"{path}: parameters left unloaded: {missing[:5]}")
+    if kernels:
+        use_kernels(model, backend)
+    return model.eval().requires_grad_(False)
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)

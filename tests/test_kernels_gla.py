@@ -1,0 +1,254 @@
+"""Simple GLA kernels (``salaquant.kernels.gla``) against the PyTorch references in ``salaquant.model.gla``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+
+import pytest
+import salaquant.kernels.gla as kgla
+import torch
+
+from salaquant.model import gla as ref
+
+B, H = 2, 2
+G_GAMMA = torch.tensor([-0.84, -0.01])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+has_fla = importlib.util.find_spec("fla") is not None
+
+
+@pytest.fixture
+def poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Floating-point buffers from ``torch.empty`` come filled with NaN, so unwritten entries show up."""
+    empty = torch.empty
+
+    def nan_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        out = empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _inputs(
+    t: int, dk: int = 16, dv: int = 32, dtype: torch.dtype = torch.float32, device: str = "cpu", heads: int = H
+) -> tuple[torch.Tensor, ...]:
+    q = torch.randn(B, t, heads, dk, device=device).to(dtype)
+    k = torch.randn(B, t, heads, dk, device=device).to(dtype)
+    v = torch.randn(B, t, heads, dv, device=device).to(dtype)
+    s0 = torch.randn(B, heads, dk, dv, device=device)
+    return q, k, v, s0
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    assert actual.dtype == torch.float32
+    assert actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    atol = rel * max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+@pytest.mark.parametrize("t", [1, 50, 64, 130])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_naive(t: int, with_state: bool, poison: None) -> None:
+    q, k, v, s0 = _inputs(t)
+    init = s0 if with_state else None
+    scale = q.shape[-1] ** -0.5
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, scale, init, output_final_state=True)
+    o, s = kgla.chunk_gla(q, k, v, G_GAMMA, scale, init, output_final_state=True, backend="triton")
+    assert s is not None and s_ref is not None
+    _close(o, o_ref)
+    _close(s, s_ref)
+    o2, s2 = kgla.chunk_gla(q, k, v, G_GAMMA, scale, init, backend="triton")
+    assert s2 is None
+    _close(o2, o_ref)
+
+
+def test_chunk_strided_partial_tiles(poison: None) -> None:
+    # q, k, v are views into one fused projection; V=40 leaves a partial V tile, T=70 a partial chunk
+    t, dk, dv = 70, 32, 40
+    fused = torch.randn(B, t, H, 2 * dk + dv)
+    q, k, v = fused[..., :dk], fused[..., dk : 2 * dk], fused[..., 2 * dk :]
+    s0 = torch.randn(B, H, dk, dv)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.3, s0, output_final_state=True)
+    o, s = kgla.chunk_gla(q, k, v, G_GAMMA, 0.3, s0, output_final_state=True, backend="triton")
+    assert s is not None and s_ref is not None
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
+def test_chunk_fp16_inputs(poison: None) -> None:
+    q, k, v, s0 = _inputs(130, dtype=torch.float16)
+    o_ref, s_ref = ref.naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, 0.25, s0, True)
+    o, s = kgla.chunk_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True, backend="triton")
+    assert s is not None and s_ref is not None
+    assert _rel_err(o, o_ref) < 3e-3
+    assert _rel_err(s, s_ref) < 3e-3
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_recurrent_matches_naive(t: int, with_state: bool, poison: None) -> None:
+    q, k, v, s0 = _inputs(t, dk=32, dv=32)
+    init = s0 if with_state else None
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, init, output_final_state=True)
+    o, s = kgla.recurrent_gla(q, k, v, G_GAMMA, 0.2, init, output_final_state=True, backend="triton")
+    assert s is not None and s_ref is not None
+    _close(o, o_ref)
+    _close(s, s_ref)
+    o2, s2 = kgla.recurrent_gla(q, k, v, G_GAMMA, 0.2, init, backend="triton")
+    assert s2 is None
+    _close(o2, o_ref)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_recurrent_inplace(backend: str) -> None:
+    q, k, v, s0 = _inputs(1)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
+    state = s0.clone()
+    o, s = kgla.recurrent_gla(q, k, v, G_GAMMA, 0.25, state, backend=backend, inplace=True)
+    assert s is state
+    assert s_ref is not None
+    _close(o, o_ref)
+    _close(state, s_ref)
+    with pytest.raises(ValueError, match="initial_state"):
+        kgla.recurrent_gla(q, k, v, G_GAMMA, 0.25, None, backend=backend, inplace=True)
+
+
+def test_closed_form_geometric_series() -> None:
+    # q = k = e_0, v = e_0: S_t[0, 0] = exp(g (t+1)) s0 + sum_{j<=t} exp(g (t-j)), o_t[0] = scale * S_t[0, 0]
+    t, dk, dv, s00 = 130, 16, 16, 2.0
+    q = torch.zeros(B, t, H, dk)
+    q[..., 0] = 1.0
+    v = torch.zeros(B, t, H, dv)
+    v[..., 0] = 1.0
+    s0 = torch.zeros(B, H, dk, dv)
+    s0[..., 0, 0] = s00
+    steps = torch.arange(1, t + 1, dtype=torch.float64)
+    expected = torch.empty(t, H, dtype=torch.float64)
+    for h, g in enumerate(G_GAMMA.double().tolist()):
+        expected[:, h] = math.exp(g) ** steps * s00 + (1 - torch.exp(g * steps)) / (1 - math.exp(g))
+    for fn, length in ((kgla.chunk_gla, t), (kgla.recurrent_gla, 3)):
+        o, s = fn(q[:, :length], q[:, :length], v[:, :length], G_GAMMA, 0.5, s0, True, backend="triton")
+        assert s is not None
+        want = (0.5 * expected[:length]).float().expand(B, length, H)
+        torch.testing.assert_close(o[..., 0], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s[..., 0, 0], expected[length - 1].float().expand(B, H), rtol=1e-5, atol=1e-5)
+        assert o[..., 1:].abs().max() == 0
+
+
+@pytest.mark.parametrize(("t", "used"), [(63, "recurrent_fwd"), (64, "chunk_fwd")])
+def test_simple_gla_dispatch(t: int, used: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from salaquant.kernels.gla import triton_kernels
+
+    calls: list[str] = []
+    for name in ("recurrent_fwd", "chunk_fwd"):
+        fn = getattr(triton_kernels, name)
+        monkeypatch.setattr(
+            triton_kernels, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw)
+        )
+    q, k, v, s0 = _inputs(t)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
+    o, s = kgla.simple_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True, backend="triton")
+    assert calls == [used]
+    assert s is not None and s_ref is not None
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
+def test_auto_on_cpu_is_reference() -> None:
+    q, k, v, s0 = _inputs(70)
+    for fn, ref_fn in ((kgla.simple_gla, ref.simple_gla), (kgla.chunk_gla, ref.chunk_gla)):
+        o, s = fn(q, k, v, G_GAMMA, 0.25, s0, True)
+        o_ref, s_ref = ref_fn(q, k, v, G_GAMMA, 0.25, s0, True)
+        assert s is not None and s_ref is not None
+        assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    with pytest.raises(ValueError, match="backend"):
+        kgla.simple_gla(q, k, v, G_GAMMA, 0.25, backend="cuda")
+
+
+def test_imports_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from salaquant.kernels.gla import simple_gla\n"
+        "q = torch.randn(1, 3, 2, 8)\n"
+        "o, s = simple_gla(q, q, q, torch.tensor([-0.5, -0.1]), 0.3, None, True)\n"
+        "assert o.shape == (1, 3, 2, 8) and s.shape == (1, 2, 8, 8)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _sala_inputs(t: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    heads, d = 32, 128
+    q = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
+    k = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
+    v = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
+    s0 = torch.randn(batch, heads, d, d, device="cuda")
+    g = -ref.alibi_slopes(heads).cuda()
+    return q, k, v, s0, g
+
+
+@needs_cuda
+def test_gpu_chunk_sala_shape() -> None:
+    q, k, v, s0, g = _sala_inputs(4096, 1, torch.float32)
+    scale = 128**-0.5
+    o_ref, s_ref = ref.chunk_gla(q, k, v, g, scale, s0, output_final_state=True)
+    assert s_ref is not None
+    for precision, tol in (("ieee", 1e-5), ("tf32x3", 3e-5), ("tf32", 5e-3)):
+        o, s = kgla.chunk_gla(q, k, v, g, scale, s0, True, precision=precision)
+        assert s is not None
+        assert _rel_err(o, o_ref) < tol, precision
+        assert _rel_err(s, s_ref) < tol, precision
+    # bf16 inputs against the reference on the same rounded values
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    o_ref_b, s_ref_b = ref.chunk_gla(qb, kb, vb, g, scale, s0, output_final_state=True)
+    o, s = kgla.chunk_gla(qb, kb, vb, g, scale, s0, True)
+    assert s is not None and s_ref_b is not None
+    assert _rel_err(o, o_ref_b) < 2e-2
+    assert _rel_err(s, s_ref_b) < 2e-2
+    if has_fla:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        o_fla, s_fla = chunk_simple_gla(q, k, v, g_gamma=g, scale=scale, initial_state=s0, output_final_state=True)
+        o, s = kgla.chunk_gla(q, k, v, g, scale, s0, True)
+        assert s is not None
+        assert _rel_err(o, o_fla) < 5e-3
+        assert _rel_err(s, s_fla) < 5e-3
+
+
+@needs_cuda
+def test_gpu_recurrent_decode() -> None:
+    q, k, v, s0, g = _sala_inputs(1, 8, torch.float32)
+    scale = 128**-0.5
+    o_ref, s_ref = ref.recurrent_gla(q, k, v, g, scale, s0, output_final_state=True)
+    assert s_ref is not None
+    o, s = kgla.simple_gla(q, k, v, g, scale, s0, True)
+    assert s is not None
+    assert _rel_err(o, o_ref) < 1e-5 and _rel_err(s, s_ref) < 1e-5
+    state = s0.clone()
+    o, s = kgla.recurrent_gla(q, k, v, g, scale, state, inplace=True)
+    assert s is state
+    assert _rel_err(o, o_ref) < 1e-5 and _rel_err(state, s_ref) < 1e-5
+    q5, k5, v5, _, _ = _sala_inputs(37, 8, torch.float32)
+    o_ref, s_ref = ref.recurrent_gla(q5, k5, v5, g, scale, s0, output_final_state=True)
+    o, s = kgla.simple_gla(q5, k5, v5, g, scale, s0, True)
+    assert s is not None and s_ref is not None
+    assert _rel_err(o, o_ref) < 1e-5 and _rel_err(s, s_ref) < 1e-5
+    if has_fla:
+        from fla.ops.simple_gla import fused_recurrent_simple_gla
+
+        o_fla, s_fla = fused_recurrent_simple_gla(
+            q, k, v, g_gamma=g, scale=scale, initial_state=s0, output_final_state=True
+        )
+        o, s = kgla.recurrent_gla(q, k, v, g, scale, s0, True)
+        assert s is not None
+        assert _rel_err(o, o_fla) < 1e-5
+        assert _rel_err(s, s_fla) < 1e-5

@@ -1,0 +1,209 @@
+"""W4A16 GEMM: the Triton kernels against the PyTorch reference (Triton interpreter on CPU), the reference
+against ``salaquant.gptq.packing``, and the GPU paths at SALA shapes (CUDA only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from salaquant.kernels.w4a16 import dequantize, w4a16_matmul, w4a16_matmul_reference
+
+from salaquant.gptq.packing import dequantize_gptq_v1, pack_gptq_v1
+
+GROUP_SIZES = (-1, 32, 64, 128)
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def _operands(seed: int, m: int, k: int, n: int, bits: int, group_size: int, dtype: torch.dtype, device: str = "cpu"):
+    """Random activations, packed words (every bit pattern) and positive fp16 scales."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    qweight = torch.randint(-(2**31), 2**31, (k * bits // 32, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.002).to(torch.float16)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x.to(device), qweight.to(device), scales.to(device)
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tol: float, what: str) -> None:
+    """``|y - ref| <= tol * (|x| @ |W|^T)`` elementwise (``w`` is the fp32 ``[N, K]`` weight); NaN fails."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype, f"{what}: {y.shape} {y.dtype} vs {ref.shape} {ref.dtype}"
+    bound = tol * (x.double().abs() @ w.double().abs().t())
+    err = (y.double() - ref.double()).abs()
+    bad = ~(err <= bound)
+    worst = float((err / bound).nan_to_num(1e9).max())
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+
+
+TOL = {torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def _poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_triton_matches_reference(m: int, group_size: int, dtype: torch.dtype) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    for k, n in [(256, 64), (384, 192)]:
+        seed = _seed()
+        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, dtype)
+        y = tk.matmul(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
+        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
+        w = dequantize(qweight, scales, 4, group_size)
+        _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype}")
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_triton_8bit(m: int) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    for group_size in (-1, 64):
+        seed = _seed()
+        x, qweight, scales = _operands(seed, m, 384, 192, 8, group_size, torch.float16)
+        y = tk.matmul(x, qweight, scales, 8, group_size, out=_poisoned(m, 192, torch.float16))
+        ref = w4a16_matmul_reference(x, qweight, scales, 8, group_size)
+        w = dequantize(qweight, scales, 8, group_size)
+        _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} M={m} gs={group_size} 8-bit")
+
+
+def _variants():
+    """(kernel, launch config, split_k): every scale mode and both weight-tile loaders, even and uneven splits."""
+    import triton
+
+    cfg = triton.Config
+    return [
+        ("gemv", cfg({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4), 1),
+        ("gemv", cfg({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4), 2),
+        ("gemv", cfg({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4), 2),
+        ("splitk", cfg({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4), 1),
+        ("splitk", cfg({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4), 3),
+        ("splitk", cfg({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=4), 2),
+        ("tiled", cfg({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "EXPAND": False}, num_warps=4), None),
+        ("tiled", cfg({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "EXPAND": True}, num_warps=4), None),
+        ("tiled", cfg({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "EXPAND": False}, num_warps=4), None),
+    ]
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("variant", range(9))
+def test_kernel_variants(variant: int, group_size: int) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    name, config, split_k = _variants()[variant]
+    m = {"gemv": 1, "splitk": 7, "tiled": 21}[name]
+    k, n = 384, 192
+    seed = _seed()
+    x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
+    out = _poisoned(m, n, torch.float16)
+    if name == "tiled":
+        y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=out, config=config)
+    else:
+        fn = tk.matmul_gemv if name == "gemv" else tk.matmul_splitk
+        y = fn(x, qweight, scales, 4, group_size, out=out, split_k=split_k, config=config)
+    ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
+    w = dequantize(qweight, scales, 4, group_size)
+    _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} {name} {config} split_k={split_k} gs={group_size}")
+    assert not bool(tk._counters(x.device, 1).any()), "split-K counters were not reset"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_triton_dequantize(bits: int) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    for group_size in GROUP_SIZES:
+        seed = _seed()
+        _, qweight, scales = _operands(seed, 1, 384, 192, bits, group_size, torch.float16)
+        w = dequantize(qweight, scales, bits, group_size)
+        got = tk.dequantize(qweight, scales, bits, group_size, dtype=torch.float32)
+        assert torch.equal(got, w), f"seed={seed} gs={group_size}"
+        got16 = tk.dequantize(qweight, scales, bits, group_size, dtype=torch.float16)
+        assert torch.equal(got16, w.half()), f"seed={seed} gs={group_size} fp16"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_reference_matches_gptq_packing(bits: int, group_size: int) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 384, 64
+    groups = 1 if group_size == -1 else k // group_size
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.05 + 1e-3).half()
+    g_idx = torch.zeros(k, dtype=torch.int32) if group_size == -1 else torch.arange(k, dtype=torch.int32) // group_size
+    tensors = pack_gptq_v1(codes, scales, g_idx, bits, zero=2 ** (bits - 1))
+    w_gptq = dequantize_gptq_v1(tensors, bits)
+
+    w = dequantize(tensors["qweight"], tensors["scales"], bits, group_size)
+    assert torch.equal(w, w_gptq), f"seed={seed}"
+    x = torch.randn(5, k, generator=gen).half()
+    got = w4a16_matmul_reference(x, tensors["qweight"], tensors["scales"], bits, group_size)
+    torch.testing.assert_close(
+        got, (x.float() @ w_gptq.T).half(), rtol=1e-3, atol=1e-5, msg=lambda s: f"seed={seed}: {s}"
+    )
+
+
+def test_dispatch() -> None:
+    seed = _seed()
+    x, qweight, scales = _operands(seed, 6, 256, 64, 4, 128, torch.float16)
+    x3 = x.reshape(2, 3, 256)
+    ref = w4a16_matmul_reference(x, qweight, scales).reshape(2, 3, 64)
+    assert torch.equal(w4a16_matmul(x3, qweight, scales), ref)  # auto on CPU: the reference
+    assert torch.equal(w4a16_matmul(x3, qweight, scales, backend="reference"), ref)
+    qzeros = torch.full((2, 64 // 8), 0x77777777, dtype=torch.int32)
+    g_idx = torch.arange(256, dtype=torch.int32) // 128
+    y = w4a16_matmul(x3, qweight, scales, backend="triton", qzeros=qzeros, g_idx=g_idx)
+    assert y.shape == (2, 3, 64)
+    _assert_close(y.reshape(6, 64), ref.reshape(6, 64), x, dequantize(qweight, scales), 3e-3, f"seed={seed}")
+
+
+def test_invalid_arguments() -> None:
+    x, qweight, scales = _operands(0, 2, 256, 64, 4, 128, torch.float16)
+    with pytest.raises(ValueError, match="backend"):
+        w4a16_matmul(x, qweight, scales, backend="cuda")
+    with pytest.raises(ValueError, match="bits"):
+        w4a16_matmul(x, qweight, scales, bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        w4a16_matmul(x, qweight, scales, group_size=12)
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_matmul(x, qweight, scales, group_size=64)
+    with pytest.raises(ValueError, match="input features"):
+        w4a16_matmul(x[:, :128], qweight, scales)
+    with pytest.raises(ValueError, match="g_idx"):
+        w4a16_matmul(x, qweight, scales, g_idx=torch.zeros(128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_matmul(x, qweight.float(), scales)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU, real SALA shapes (bf16)
+
+SALA_SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16, 4096])
+@pytest.mark.parametrize("shape", sorted(SALA_SHAPES))
+def test_gpu_sala_shapes(shape: str, m: int) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    k, n = SALA_SHAPES[shape]
+    seed = _seed()
+    x, qweight, scales = _operands(seed, m, k, n, 4, 128, torch.bfloat16, device="cuda")
+    ref = w4a16_matmul_reference(x, qweight, scales).float()
+    paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
+    if m > 16:
+        paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
+    for name, run in paths.items():
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = run(out).float()
+        assert bool(torch.isfinite(y).all()), f"seed={seed} {shape} M={m} {name}: non-finite outputs"
+        rel = float((y - ref).norm() / ref.norm())
+        worst = float((y - ref).abs().max() / ref.abs().max())
+        assert rel < 1e-2 and worst < 3e-2, f"seed={seed} {shape} M={m} {name}: rel={rel:.3g} worst={worst:.3g}"
