@@ -435,6 +435,9 @@ def generate(
     attention: Annotated[str, typer.Option(help="auto (dense below dense_len), dense or sparse.")] = "auto",
     device: Device = "auto",
     backend: Annotated[str, typer.Option(help="auto (Triton on CUDA), triton or reference.")] = "auto",
+    attention_kernels: Annotated[bool, typer.Option(help="Run GLA / sparse attention with the Triton kernels.")] = (
+        False
+    ),
 ) -> None:
     """Greedy completion with the runtime: a quick check that a checkpoint loads and talks."""
     import time
@@ -447,7 +450,7 @@ def generate(
 
     try:
         dev = resolve_device(device)
-        net = load(model, device=dev, backend=backend)
+        net = load(model, device=dev, backend=backend, kernels=attention_kernels)
         tok = load_tokenizer(model)
     except (ValueError, CheckpointError, RuntimeError, OSError) as exc:
         fail(str(exc))

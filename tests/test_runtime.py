@@ -86,3 +86,13 @@ def test_generate_command(exports) -> None:
     )
     assert res.exit_code == 0, res.output
     assert "(gptq)" in res.output and "The king" in res.output
+
+
+def test_attention_kernels_route_through_dispatchers() -> None:
+    """With kernels on, GLA and sparse attention go through salaquant.kernels (the reference off CUDA)."""
+    ids = torch.randint(3, 4096, (1, 1100), generator=torch.Generator().manual_seed(2))  # > dense_len 1024
+    plain = load(MODEL)
+    routed = load(MODEL, kernels=True)
+    assert routed.model.layers[1].self_attn.gla_fn is not plain.model.layers[1].self_attn.gla_fn
+    assert routed.model.layers[0].self_attn.sparse_fn is not plain.model.layers[0].self_attn.sparse_fn
+    assert torch.equal(routed(ids, attention_mode="sparse").logits, plain(ids, attention_mode="sparse").logits)

@@ -52,7 +52,8 @@ def load(
 
     Quantized linears become ``GPTQLinear`` / ``NVFP4Linear`` modules holding the packed tensors; every other
     tensor is loaded as stored (cast to ``dtype``). With ``kernels`` the GLA and sparse-attention calls go
-    through ``salaquant.kernels`` too.
+    through ``salaquant.kernels`` too (off by default until those kernels are validated on GPUs; the PyTorch
+    references run on any device).
     """
     reader = CheckpointReader(path)
     config = SalaConfig.from_dict(reader.config())
