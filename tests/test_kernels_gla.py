@@ -93,6 +93,51 @@ def test_chunk_fp16_inputs(poison: None) -> None:
     assert _rel_err(s, s_ref) < 3e-3
 
 
+@pytest.mark.parametrize(("t", "with_state"), [(130, True), (200, False)])
+def test_chunk_every_gpu_config_at_d128(t: int, with_state: bool, poison: None) -> None:
+    # The interpreter autotunes over one small tile; run each GPU autotune configuration by itself at SALA's
+    # head dim (K = V = 128), on the GPU when there is one. Every state and output configuration runs once.
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precisions = {"ieee": 1e-5, "tf32x3": 3e-5, "tf32": 5e-3} if device == "cuda" else {"ieee": 1e-5}
+    q, k, v, s0 = (x[:1] for x in _inputs(t, dk=128, dv=128, device=device))
+    g = G_GAMMA.to(device)
+    init = s0 if with_state else None
+    o_ref, s_ref = ref.chunk_gla(q, k, v, g, 128**-0.5, init, output_final_state=True)
+    assert s_ref is not None
+    n = max(len(tk.STATE_CONFIGS), len(tk.OUTPUT_CONFIGS))
+    for i in range(n):
+        configs = (tk.STATE_CONFIGS[i % len(tk.STATE_CONFIGS)], tk.OUTPUT_CONFIGS[i % len(tk.OUTPUT_CONFIGS)])
+        for precision, tol in precisions.items():
+            try:
+                o, s = tk.chunk_fwd(q, k, v, g, 128**-0.5, init, True, precision=precision, configs=configs)
+                assert s is not None
+                errors = (_rel_err(o, o_ref), _rel_err(s, s_ref))
+            except RuntimeError as exc:  # name the configuration that failed to launch or crashed
+                raise AssertionError(f"configs {configs}, {precision}: {exc}") from exc
+            assert max(errors) < tol, (configs, precision, errors)
+
+
+def test_chunk_tiles_fit_head_dims(poison: None) -> None:
+    import triton
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    candidates = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s) for bk, bv, w, s in tk.STATE_CONFIGS]
+    assert len(tk._prune_configs(candidates, {}, K=128, V=128)) == len(candidates)
+    pruned = tk._prune_configs(candidates, {}, K=16, V=40)
+    tiles = [(c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages) for c in pruned]
+    assert len(set(tiles)) == len(tiles) < len(candidates)
+    assert all(bk == 16 and bv in (32, 64) for bk, bv, _, _ in tiles)
+    # the largest GPU tiles, pinned, on a head dim they overhang (K=16) and a partial V tile (V=40)
+    q, k, v, s0 = _inputs(70, dk=16, dv=40)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
+    o, s = tk.chunk_fwd(q, k, v, G_GAMMA, 0.25, s0, True, configs=((128, 32, 8, 3), (128, 128, 8, 2)))
+    assert s is not None and s_ref is not None
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_recurrent_matches_naive(t: int, with_state: bool, poison: None) -> None:

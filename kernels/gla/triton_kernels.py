@@ -39,44 +39,70 @@ PRECISIONS = ("tf32", "tf32x3", "ieee")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+Config = tuple[int, int, int, int]
+"""A launch configuration ``(BK, BV, num_warps, num_stages)``."""
 
-def _configs(options: list[tuple[int, int, int, int]], interpret: tuple[int, int]) -> list[triton.Config]:
-    """Autotune configs ``(BK, BV, num_warps, num_stages)``; a single small one under the interpreter."""
+STATE_CONFIGS: tuple[Config, ...] = (
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 64, 8, 3),
+    (32, 64, 4, 3),
+    (64, 32, 4, 3),
+    (32, 32, 4, 3),
+    (32, 32, 2, 4),
+    (128, 32, 8, 3),
+)
+"""Autotune space of ``_chunk_state_kernel`` on the GPU."""
+
+OUTPUT_CONFIGS: tuple[Config, ...] = (
+    (128, 64, 4, 2),
+    (128, 64, 8, 2),
+    (64, 64, 4, 3),
+    (64, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 128, 8, 3),
+    (64, 32, 4, 3),
+    (128, 32, 4, 2),
+)
+"""Autotune space of ``_chunk_output_kernel`` on the GPU."""
+
+_INTERPRET_CONFIG: Config = (32, 32, 4, 1)
+"""The one configuration under the interpreter, where autotuning would run every candidate on the CPU."""
+
+
+def _fit(config: Config, dk: int, dv: int) -> Config:
+    """Clamp the tiles to K and V rounded up to a power of two (at least 16, the smallest ``tl.dot`` side)."""
+    bk, bv, warps, stages = config
+    return min(bk, max(16, triton.next_power_of_2(dk))), min(bv, max(16, triton.next_power_of_2(dv))), warps, stages
+
+
+def _triton_configs(options: tuple[Config, ...]) -> list[triton.Config]:
     if _INTERPRET:
-        options = [(interpret[0], interpret[1], 4, 1)]
+        options = (_INTERPRET_CONFIG,)
     return [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s) for bk, bv, w, s in options]
 
 
-_STATE_CONFIGS = _configs(
-    [
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (64, 64, 8, 3),
-        (32, 64, 4, 3),
-        (64, 32, 4, 3),
-        (32, 32, 4, 3),
-        (32, 32, 2, 4),
-        (128, 32, 8, 3),
-    ],
-    interpret=(32, 32),
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """Clamp every candidate's tiles to the head dims and drop the duplicates this makes.
+
+    A tile wider than K or V would only add masked lanes, and several such candidates collapse into one.
+    """
+    dims = {**named_args, **kwargs}
+    dk, dv = int(dims["K"]), int(dims["V"])
+    seen: dict[Config, triton.Config] = {}
+    for c in configs:
+        fitted = _fit((c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages), dk, dv)
+        if fitted not in seen:
+            bk, bv, warps, stages = fitted
+            seen[fitted] = triton.Config({"BK": bk, "BV": bv}, num_warps=warps, num_stages=stages)
+    return list(seen.values())
+
+
+@triton.autotune(
+    configs=_triton_configs(STATE_CONFIGS),
+    key=["K", "V", "PREC"],
+    prune_configs_by={"early_config_prune": _prune_configs},
 )
-
-_OUTPUT_CONFIGS = _configs(
-    [
-        (128, 64, 4, 2),
-        (128, 64, 8, 2),
-        (64, 64, 4, 3),
-        (64, 64, 8, 3),
-        (128, 128, 8, 2),
-        (64, 128, 8, 3),
-        (64, 32, 4, 3),
-        (128, 32, 4, 2),
-    ],
-    interpret=(32, 32),
-)
-
-
-@triton.autotune(configs=_STATE_CONFIGS, key=["K", "V"])
 @triton.jit
 def _chunk_state_kernel(
     k_ptr,
@@ -125,25 +151,32 @@ def _chunk_state_kernel(
 
     k_base = k_ptr + i_b * s_kb + i_h * s_kh
     v_base = v_ptr + i_b * s_vb + i_h * s_vh
-    h_base = h_ptr + i_bh * NT * K * V
+    # h holds B*H*NT*K*V elements: its offset is int64 and advances by pointer increments, never i_t * K * V
+    p_h = h_ptr + i_bh * NT * K * V + off_kv
     for i_t in range(NT):
-        tl.store(h_base + i_t * K * V + off_kv, state.to(h_ptr.dtype.element_ty), mask=m_kv)
+        tl.store(p_h, state.to(h_ptr.dtype.element_ty), mask=m_kv)
+        p_h += K * V
         t0 = i_t * BT
         rows = (t0 + pos).to(tl.int64)
         m_t = rows < T
-        b_k = tl.load(k_base + rows[:, None] * s_kt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
+        b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         length = tl.minimum(T - t0, BT).to(tl.float32)
         # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
         k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
-        b_kd = (b_k.to(tl.float32) * k_decay[:, None]).to(b_k.dtype)
-        state = state * tl.exp(g * length) + tl.dot(tl.trans(b_kd), b_v, input_precision=PREC)
+        b_kt = (b_kt.to(tl.float32) * k_decay[None, :]).to(b_kt.dtype)
+        state = state * tl.exp(g * length) + tl.dot(b_kt, b_v, input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
 
 
-@triton.autotune(configs=_OUTPUT_CONFIGS, key=["K", "V"])
+@triton.autotune(
+    configs=_triton_configs(OUTPUT_CONFIGS),
+    key=["K", "V", "PREC"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
 @triton.jit
 def _chunk_output_kernel(
     q_ptr,
@@ -180,7 +213,7 @@ def _chunk_output_kernel(
     g = tl.load(g_ptr + i_h).to(tl.float32)
 
     pos = tl.arange(0, BT)
-    rows = (i_t * BT + pos).to(tl.int64)
+    rows = i_t.to(tl.int64) * BT + pos
     m_t = rows < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -196,10 +229,11 @@ def _chunk_output_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k_base + rows[:, None] * s_kt + o_k[None, :], mask=m_tk, other=0.0)
+        # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
+        b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
-        b_attn += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_attn += tl.dot(b_q, b_kt, input_precision=PREC)
 
     # exp(g (i + 1)) on the carried state; exp(g (i - j)) for j <= i inside the chunk
     q_decay = tl.exp(g * (pos + 1).to(tl.float32))
@@ -264,17 +298,22 @@ def _recurrent_kernel(
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
 
-    q_base = q_ptr + i_b * s_qb + i_h * s_qh
-    k_base = k_ptr + i_b * s_kb + i_h * s_kh
-    v_base = v_ptr + i_b * s_vb + i_h * s_vh
-    o_base = o_ptr + (i_b * T * H + i_h) * V
-    for t in range(T):
-        b_q = tl.load(q_base + t * s_qt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_base + t * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v_base + t * s_vt + o_v, mask=m_v, other=0.0).to(tl.float32)
+    # per-token pointers advance by increments (64-bit), never t * stride in int32
+    p_q = q_ptr + i_b * s_qb + i_h * s_qh + o_k
+    p_k = k_ptr + i_b * s_kb + i_h * s_kh + o_k
+    p_v = v_ptr + i_b * s_vb + i_h * s_vh + o_v
+    p_o = o_ptr + (i_b * T * H + i_h) * V + o_v
+    for _ in range(T):
+        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         state = state * decay + b_k[:, None] * b_v[None, :]
         b_o = tl.sum(state * b_q[:, None], axis=0) * scale
-        tl.store(o_base + t * H * V + o_v, b_o, mask=m_v)
+        tl.store(p_o, b_o, mask=m_v)
+        p_q += s_qt
+        p_k += s_kt
+        p_v += s_vt
+        p_o += H * V
 
     if STORE_HT:
         tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
@@ -301,6 +340,14 @@ def _check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def _pinned(kernel: triton.runtime.Autotuner, config: Config | None, dk: int, dv: int) -> tuple[object, dict]:
+    """The autotuned kernel, or its plain jit function with the launch meta-parameters of ``config``."""
+    if config is None:
+        return kernel, {}
+    bk, bv, warps, stages = _fit(config, dk, dv)
+    return kernel.fn, {"BK": bk, "BV": bv, "num_warps": warps, "num_stages": stages}
+
+
 def chunk_fwd(
     q: Tensor,
     k: Tensor,
@@ -310,11 +357,15 @@ def chunk_fwd(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     precision: str = "tf32",
+    *,
+    configs: tuple[Config, Config] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked prefill (chunk 64). Returns ``o [B, T, H, V]`` fp32 and the fp32 final state if asked.
 
     ``precision`` is the ``tl.dot`` input precision for fp32 inputs (``"tf32"`` as fla, ``"tf32x3"``,
-    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots.
+    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots. ``configs`` pins the state and output
+    kernels to one ``(BK, BV, num_warps, num_stages)`` each (tiles clamped to K and V) instead of autotuning
+    them, so that each configuration of ``STATE_CONFIGS`` / ``OUTPUT_CONFIGS`` can be run on its own.
     """
     _check_precision(precision)
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
@@ -334,7 +385,8 @@ def chunk_fwd(
     def state_grid(meta: dict) -> tuple[int, int, int]:
         return (triton.cdiv(dk, meta["BK"]), triton.cdiv(dv, meta["BV"]), b * h)
 
-    _chunk_state_kernel[state_grid](
+    state_kernel, state_meta = _pinned(_chunk_state_kernel, configs[0] if configs else None, dk, dv)
+    state_kernel[state_grid](
         k,
         v,
         g,
@@ -356,12 +408,14 @@ def chunk_fwd(
         USE_H0=h0 is not None,
         STORE_HT=ht is not None,
         PREC=precision,
+        **state_meta,
     )
 
     def output_grid(meta: dict) -> tuple[int, int, int]:
         return (triton.cdiv(dv, meta["BV"]), nt, b * h)
 
-    _chunk_output_kernel[output_grid](
+    output_kernel, output_meta = _pinned(_chunk_output_kernel, configs[1] if configs else None, dk, dv)
+    output_kernel[output_grid](
         q,
         k,
         v,
@@ -385,6 +439,7 @@ def chunk_fwd(
         V=dv,
         BT=CHUNK,
         PREC=precision,
+        **output_meta,
     )
     return o, ht
 
