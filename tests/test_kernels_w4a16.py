@@ -207,3 +207,60 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
         rel = float((y - ref).norm() / ref.norm())
         worst = float((y - ref).abs().max() / ref.abs().max())
         assert rel < 1e-2 and worst < 3e-2, f"seed={seed} {shape} M={m} {name}: rel={rel:.3g} worst={worst:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The flat split-K kernel (``matmul_flat``): every reduction mode, scale mode and tail case against the reference
+
+
+@pytest.mark.parametrize(
+    ("m", "cuda_cores", "expand"),
+    [(1, True, False), (1, False, False), (4, False, False), (16, False, True), (7, False, True)],
+    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7"],
+)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_size: int) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    # K = 416 is 3.25 tiles of 128 and 6.5 of 64: partial last tile and a last split with fewer tiles.
+    for k, n, block_k, tiles in [(416, 80, 64, 2), (256, 64, 128, 1), (416, 96, 128, 3)]:
+        if group_size > 0 and k % group_size:
+            continue
+        seed = _seed()
+        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
+        y = tk.matmul_flat(
+            x,
+            qweight,
+            scales,
+            4,
+            group_size,
+            out=_poisoned(m, n, torch.float16),
+            block_n=32,
+            block_k=block_k,
+            tiles=tiles,
+            cuda_cores=cuda_cores,
+            expand=expand,
+        )
+        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
+        w = dequantize(qweight, scales, 4, group_size)
+        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles} cc={cuda_cores} ex={expand}"
+        _assert_close(y, ref, x, w, TOL[torch.float16], what)
+
+
+def test_flat_8bit_and_bad_arguments() -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    for m, cuda_cores in ((1, True), (3, False)):
+        seed = _seed()
+        x, qweight, scales = _operands(seed, m, 256, 64, 8, 64, torch.float16)
+        y = tk.matmul_flat(x, qweight, scales, 8, 64, block_n=32, block_k=64, tiles=2, cuda_cores=cuda_cores)
+        ref = w4a16_matmul_reference(x, qweight, scales, 8, 64)
+        _assert_close(y, ref, x, dequantize(qweight, scales, 8, 64), TOL[torch.float16], f"seed={seed} 8-bit M={m}")
+    x, qweight, scales = _operands(0, 2, 256, 64, 4, 128, torch.float16)
+    with pytest.raises(ValueError, match="one activation row"):
+        tk.matmul_flat(x, qweight, scales, cuda_cores=True)
+    with pytest.raises(ValueError, match="block_k"):
+        tk.matmul_flat(x, qweight, scales, block_k=12)
+    x17, qweight, scales = _operands(0, 17, 256, 64, 4, 128, torch.float16)
+    with pytest.raises(ValueError, match="1 to 16"):
+        tk.matmul_flat(x17, qweight, scales)

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...model.gla import _check_inputs
+from ..host import cdiv, next_power_of_2
 
 __all__ = ["CHUNK", "PRECISIONS", "chunk_fwd", "recurrent_fwd"]
 
@@ -73,7 +74,7 @@ _INTERPRET_CONFIG: Config = (32, 32, 4, 1)
 def _fit(config: Config, dk: int, dv: int) -> Config:
     """Clamp the tiles to K and V rounded up to a power of two (at least 16, the smallest ``tl.dot`` side)."""
     bk, bv, warps, stages = config
-    return min(bk, max(16, triton.next_power_of_2(dk))), min(bv, max(16, triton.next_power_of_2(dv))), warps, stages
+    return min(bk, max(16, next_power_of_2(dk))), min(bv, max(16, next_power_of_2(dv))), warps, stages
 
 
 def _triton_configs(options: tuple[Config, ...]) -> list[triton.Config]:
@@ -377,13 +378,13 @@ def chunk_fwd(
             return o, None
         final = h0.clone() if h0 is not None else torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
         return o, final
-    nt = triton.cdiv(t, CHUNK)
+    nt = cdiv(t, CHUNK)
     h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     states = torch.empty(b, h, nt, dk, dv, dtype=h_dtype, device=q.device)
     ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
 
     def state_grid(meta: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(dk, meta["BK"]), triton.cdiv(dv, meta["BV"]), b * h)
+        return (cdiv(dk, meta["BK"]), cdiv(dv, meta["BV"]), b * h)
 
     state_kernel, state_meta = _pinned(_chunk_state_kernel, configs[0] if configs else None, dk, dv)
     state_kernel[state_grid](
@@ -412,7 +413,7 @@ def chunk_fwd(
     )
 
     def output_grid(meta: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(dv, meta["BV"]), nt, b * h)
+        return (cdiv(dv, meta["BV"]), nt, b * h)
 
     output_kernel, output_meta = _pinned(_chunk_output_kernel, configs[1] if configs else None, dk, dv)
     output_kernel[output_grid](
@@ -446,8 +447,8 @@ def chunk_fwd(
 
 def _recurrent_block_v(batch_heads: int, dv: int) -> int:
     """V tile of the decode kernel: 32, or 16 when that leaves too few programs to fill the GPU."""
-    bv = min(triton.next_power_of_2(dv), 32)
-    if bv > 16 and batch_heads * triton.cdiv(dv, bv) < 512:
+    bv = min(next_power_of_2(dv), 32)
+    if bv > 16 and batch_heads * cdiv(dv, bv) < 512:
         bv = 16
     return bv
 
@@ -485,9 +486,9 @@ def recurrent_fwd(
         ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device)
     else:
         ht = None
-    bk = max(16, triton.next_power_of_2(dk))
+    bk = max(16, next_power_of_2(dk))
     bv = _recurrent_block_v(b * h, dv)
-    grid = (triton.cdiv(dv, bv), b * h)
+    grid = (cdiv(dv, bv), b * h)
     _recurrent_kernel[grid](
         q,
         k,

@@ -34,13 +34,15 @@ from torch import Tensor
 
 from salaquant.model.sparse_attention import SparseParams
 
+from ..host import cdiv, next_power_of_2
+
 __all__ = ["block_sparse_attention", "stage1_scores"]
 
 _LOG2E = 1.4426950408889634
 
 
 def _pow2(x: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(1, x)))
+    return max(floor, next_power_of_2(max(1, x)))
 
 
 @triton.jit
@@ -507,12 +509,12 @@ def stage1_scores(
     block_m = max(_pow2(block_rows, floor=1) // block_g, _pow2(16 // block_g, floor=1))  # >= 16 rows for tl.dot
     block_n = _pow2(block_n)
     block_d = _pow2(d)
-    n_tiles = triton.cdiv(tq, block_m)
+    n_tiles = cdiv(tq, block_m)
     programs = n_tiles * b * hkv
     if num_splits is None:
-        num_splits = 1 if programs >= 128 else triton.cdiv(256, programs)
-    split1 = triton.cdiv(triton.cdiv(n1, max(1, num_splits)), block_n) * block_n
-    splits1 = triton.cdiv(n1, split1)
+        num_splits = 1 if programs >= 128 else cdiv(256, programs)
+    split1 = cdiv(cdiv(n1, max(1, num_splits)), block_n) * block_n
+    splits1 = cdiv(n1, split1)
     consts = {
         "G": g,
         "KERNEL2": params.kernel_size2,
@@ -527,8 +529,8 @@ def stage1_scores(
     qk_scale = _LOG2E / math.sqrt(d)
     lse_in = splits1 > 1 and n2 > 0
     if lse_in:
-        split2 = triton.cdiv(triton.cdiv(n2, num_splits), block_n) * block_n
-        splits2 = triton.cdiv(n2, split2)
+        split2 = cdiv(cdiv(n2, num_splits), block_n) * block_n
+        splits2 = cdiv(n2, split2)
         lse = torch.empty(b * hkv * n_tiles * splits2 * block_m * block_g, dtype=torch.float32, device=q.device)
         _stage1_lse_kernel[(n_tiles, b * hkv, splits2)](
             q, k2, lse, tq, n2, q_start, hkv, d, split2, *q.stride(), *k2.stride(), qk_scale, **consts
@@ -566,7 +568,7 @@ def _default_splits(rows: int, n_sel: int) -> int:
     """Enough programs to fill a large GPU when there are few (token, KV head) rows."""
     if rows >= 256 or n_sel <= 2:
         return 1
-    return max(1, min(triton.cdiv(512, rows), triton.cdiv(n_sel, 2)))
+    return max(1, min(cdiv(512, rows), cdiv(n_sel, 2)))
 
 
 def block_sparse_attention(
@@ -613,8 +615,8 @@ def block_sparse_attention(
     n_sel = block_idx.shape[3]
     block_g, block_d = _pow2(g), _pow2(d)
     splits = _default_splits(b * hkv * tq, n_sel) if num_splits is None else max(1, num_splits)
-    per_split = max(1, triton.cdiv(n_sel, splits)) if n_sel else 1
-    splits = max(1, triton.cdiv(n_sel, per_split))
+    per_split = max(1, cdiv(n_sel, splits)) if n_sel else 1
+    splits = max(1, cdiv(n_sel, per_split))
     split = splits > 1
     if split:
         part_o = torch.empty(b * hkv * tq * splits * block_g * block_d, dtype=torch.float32, device=q.device)

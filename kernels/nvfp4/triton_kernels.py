@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..host import cdiv
 from .reference import check_operands
 
 __all__ = [
@@ -412,7 +413,7 @@ def default_config(m: int, n: int, k: int, device: torch.device | str = "cuda") 
     sms = _programs_target(dev)
     if m <= GEMV_MAX_M:
         bn, bk = 32, 256
-        split = _pick_split(m * triton.cdiv(n, bn), triton.cdiv(k, bk), 4 * sms, 2)
+        split = _pick_split(m * cdiv(n, bn), cdiv(k, bk), 4 * sms, 2)
         return NVFP4Config("gemv", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
     if m <= 16:
         bm, bn, bk, warps, stages, target, min_k = 16, 64, 128, 4, 1, 4 * sms, 2
@@ -422,8 +423,8 @@ def default_config(m: int, n: int, k: int, device: torch.device | str = "cuda") 
         bm, bn, bk, warps, stages, target, min_k = 128, 128, 64, 8, 3, sms, 4
     else:
         bm, bn, bk, warps, stages, target, min_k = 256, 128, 64, 8, 3, sms, 4
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = _pick_split(tiles, triton.cdiv(k, bk), target, min_k)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    split = _pick_split(tiles, cdiv(k, bk), target, min_k)
     return NVFP4Config("dot", block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
 
 
@@ -510,7 +511,7 @@ def nvfp4_matmul_triton(
     if cfg.kernel == "gemv":
         if m > 65535:
             raise ValueError(f"the gemv kernel takes at most 65535 rows, got {m}")
-        grid = (triton.cdiv(n, cfg.block_n), split, m)
+        grid = (cdiv(n, cfg.block_n), split, m)
         cnt = _counters(x.device, grid[0] * m) if split > 1 else gs
         _nvfp4_gemv_kernel[grid](
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
@@ -519,7 +520,7 @@ def nvfp4_matmul_triton(
             num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
-        tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+        tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
         cnt = _counters(x.device, tiles) if split > 1 else gs
         _nvfp4_dot_kernel[(tiles, split)](
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
@@ -549,7 +550,7 @@ def nvfp4_dequantize_triton(
         out = torch.empty((n, k), dtype=dtype, device=weight.device)
     elif tuple(out.shape) != (n, k) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {(n, k)}")
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    grid = (cdiv(n, block_n), cdiv(k, block_k))
     _nvfp4_dequant_kernel[grid](
         w, s, gs, out, n, k, BLOCK_N=block_n, BLOCK_K=block_k, BF16=dtype == torch.bfloat16,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,

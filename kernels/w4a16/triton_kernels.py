@@ -7,16 +7,20 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   tile's math) and takes the ``p`` values out of every word with masks (``_word_value``: one logic op and one FMA
   per value, exact), multiplies them by the activation into a 2-D fp32 accumulator and applies the group scale
   once per word row.
-* ``2 <= M <= 16``, ``splitk``: the same split-K tiling with ``tl.dot`` on a 16-row activation tile. Value ``j``
-  of the words of a tile holds K rows ``p * r + j``, so each ``j`` is one ``tl.dot`` of a strided activation slice
-  with a ``[BLOCK_K / p, BLOCK_N]`` weight slice and no word is loaded twice. When a K tile lies inside one group
-  the exact integer codes go into the dot and the scale multiplies the fp32 tile sum.
+* ``2 <= M <= 16``, ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short,
+  fully unrolled run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in
+  natural K order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core
+  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
+* ``splitk`` (``matmul_splitk``, not chosen by ``matmul``): the ``gemv`` tiling with ``tl.dot`` on a 16-row
+  activation tile. Value ``j`` of the words of a tile holds K rows ``p * r + j``, so each ``j`` is one ``tl.dot`` of
+  a strided activation slice with a ``[BLOCK_K / p, BLOCK_N]`` weight slice and no word is loaded twice. When a K
+  tile lies inside one group the exact integer codes go into the dot and the scale multiplies the fp32 tile sum.
 * ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
   order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
 * ``M >= DEQUANT_MIN_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
   runs in ``torch.matmul``: at that size the GEMM is compute-bound and the dequantization costs a few percent.
 
-Split-K reduction (``gemv``, ``splitk``): every program stores its fp32 partial tile into a workspace, then
+Split-K reduction (``gemv``, ``flat``, ``splitk``): every program stores its fp32 partial tile into a workspace, then
 increments a per-column-tile counter; the program that completes the count sums the partials in split order,
 writes the output in the activation dtype and resets the counter. One launch, no atomics on data, and
 run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch leaves zeroed.
@@ -34,12 +38,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..host import cdiv, next_power_of_2
 from .reference import check_operands
 
-__all__ = ["DEQUANT_MIN_M", "dequantize", "matmul", "matmul_gemv", "matmul_splitk", "matmul_tiled"]
+__all__ = [
+    "DEQUANT_MIN_M",
+    "FLAT_DOT_CONFIG",
+    "dequantize",
+    "matmul",
+    "matmul_flat",
+    "matmul_gemv",
+    "matmul_splitk",
+    "matmul_tiled",
+]
 
 DEQUANT_MIN_M = 1024
 """From this many activation rows on, ``matmul`` dequantizes the weight and calls ``torch.matmul``."""
+
+FLAT_DOT_CONFIG = {"block_n": 64, "block_k": 128, "tiles": 2, "num_warps": 4, "cuda_cores": False, "expand": True}
+"""``matmul_flat`` settings ``matmul`` uses for 2..16 rows: the fastest at every SALA shape in
+``benchmarks/w4a16_sweep.py --m 16`` on an H200 (the old ``splitk`` path was 1.01-1.12x slower)."""
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
@@ -374,6 +392,139 @@ def _tiled_kernel(
 
 
 @triton.jit
+def _flat_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    MAGIC,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
+    GEMV3D: tl.constexpr = False,
+    EXPAND: tl.constexpr = False,
+):
+    """Split-K over short, fully unrolled runs of ``TILES`` K tiles: every load of a program is independent of its
+    math, so all of them are in flight at once (the grid, not a loop, supplies the memory parallelism).
+
+    The ``[BLOCK_K, BLOCK_N]`` weight tile is read in natural K order straight from the packed words (the
+    ``PACK`` rows of one word load the same address, which the L1 serves once); ``BLOCK_M == 1`` reduces on the
+    CUDA cores, larger ``BLOCK_M`` feeds ``tl.dot``. A scale row multiplies the tile sum when the tile lies in
+    one group, else every weight.
+    """
+    PACK: tl.constexpr = 32 // BITS
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    dtype = x_ptr.dtype.element_ty
+
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ROWS: tl.constexpr = BLOCK_K // PACK
+    offs_r = tl.arange(0, ROWS)
+    shifts = ((offs_k % PACK) * BITS)[:, None]
+    k_first = tl.program_id(1) * (TILES * BLOCK_K)
+    if BLOCK_M == 1:  # noqa: SIM108 (constexpr branches)
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in tl.static_range(TILES):
+        kk = k_first + i * BLOCK_K + offs_k
+        mask_k = kk < K
+        # A tile past K (the last split may hold fewer tiles) loads nothing: zeros, never the scale row after the end.
+        tile_live = (k_first + i * BLOCK_K + 0 * offs_n) < K  # as a vector: the interpreter masks only with tensors
+        tile_group = (k_first + i * BLOCK_K) // GROUP_SIZE
+        if GEMV3D:
+            # CUDA-core path: each word loaded once, its PACK values taken out in place (_word_value) and summed
+            # into a [ROWS, BLOCK_N] tile with the matching activations.
+            rows = (k_first + i * BLOCK_K) // PACK + offs_r
+            mask_r = rows < K // PACK
+            words = tl.load(
+                w_ptr + rows[:, None] * N + offs_n[None, :],
+                mask=mask_r[:, None] & mask_n[None, :],
+                other=0,
+                eviction_policy="evict_first",
+            )
+            hi = words >> 16
+            part2 = tl.zeros((ROWS, BLOCK_N), tl.float32)
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + rows * PACK + j, mask=mask_r, other=0.0).to(tl.float32)
+                part2 += xj[:, None] * _word_value(words, hi, MAGIC, j, BITS)
+            if ONE_GROUP:
+                acc += tl.sum(part2, axis=0)
+            elif TILE_SCALE:
+                s3 = tl.load(s_ptr + tile_group * N + offs_n, mask=mask_n & tile_live, other=0.0)
+                acc += tl.sum(part2, axis=0) * s3.to(tl.float32)
+            else:
+                s_rows = s_ptr + (rows * PACK // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+                s2 = tl.load(s_rows, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+                acc += tl.sum(part2 * s2.to(tl.float32), axis=0)
+        else:
+            if EXPAND:
+                rows = (k_first + i * BLOCK_K) // PACK + offs_r
+                packed = tl.load(
+                    w_ptr + rows[:, None] * N + offs_n[None, :],
+                    mask=(rows < K // PACK)[:, None] & mask_n[None, :],
+                    other=0,
+                    eviction_policy="evict_first",
+                )
+                words = tl.reshape(tl.broadcast_to(packed[:, None, :], (ROWS, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            else:
+                words = tl.load(
+                    w_ptr + (kk // PACK)[:, None] * N + offs_n[None, :],
+                    mask=mask_k[:, None] & mask_n[None, :],
+                    other=ZERO,
+                    eviction_policy="evict_first",
+                )
+            w = (((words >> shifts) & ((1 << BITS) - 1)) - ZERO).to(tl.float32)
+            if TILE_SCALE:
+                s = tl.load(s_ptr + tile_group * N + offs_n, mask=mask_n & tile_live, other=0.0)
+                s = s.to(tl.float32)
+            elif not ONE_GROUP:
+                s_ptrs = s_ptr + (kk // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+                w = w * tl.load(s_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                xk = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+                part = tl.sum(w * xk[:, None], axis=0)
+                if TILE_SCALE:
+                    acc += part * s
+                else:
+                    acc += part
+            else:
+                a_ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                if TILE_SCALE:
+                    part = tl.dot(a, w.to(dtype), input_precision=DOT_PRECISION)
+                    acc += part * s[None, :]
+                else:
+                    acc = tl.dot(a, w.to(dtype), acc, input_precision=DOT_PRECISION)
+    if ONE_GROUP:
+        s1 = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:  # noqa: SIM108 (constexpr branches)
+            acc = acc * s1
+        else:
+            acc = acc * s1[None, :]
+    if BLOCK_M == 1:
+        _split_k_store(acc[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
+    else:
+        _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+
+
+@triton.jit
 def _dequant_kernel(
     w_ptr,
     s_ptr,
@@ -433,9 +584,9 @@ def _sm_count(device: torch.device) -> int:
 def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> int:
     """Number of K splits with no empty split (the kernel recomputes the tiles per split from it)."""
     if split_k is None:
-        split_k = min(k_tiles // _MIN_TILES_PER_SPLIT, triton.cdiv(_DECODE_WAVES * sms, n_tiles))
+        split_k = min(k_tiles // _MIN_TILES_PER_SPLIT, cdiv(_DECODE_WAVES * sms, n_tiles))
     split_k = max(1, min(int(split_k), k_tiles))
-    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split_k))
+    return cdiv(k_tiles, cdiv(k_tiles, split_k))
 
 
 def _kernel_group(group_size: int, k: int) -> int:
@@ -484,14 +635,14 @@ def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) 
     configs = kernel.configs if config is None else [config]
 
     def splits(c: dict) -> int:
-        return _split_count(triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(k, c["BLOCK_K"]), sms, split_k)
+        return _split_count(cdiv(n, c["BLOCK_N"]), cdiv(k, c["BLOCK_K"]), sms, split_k)
 
     max_split = max(splits(c.kwargs) for c in configs)
     part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
     if x.device.type != "cuda":
         part.fill_(float("nan"))  # a read of an unwritten partial then shows up in the result
-    cnt = _counters(x.device, max(triton.cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits(meta))  # noqa: E731
+    cnt = _counters(x.device, max(cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
+    grid = lambda meta: (cdiv(n, meta["BLOCK_N"]), splits(meta))  # noqa: E731
     _run(kernel, config, grid, x, qweight, scales, y, part, cnt, *args, **meta)
 
 
@@ -557,6 +708,71 @@ def matmul_splitk(
     return y
 
 
+def matmul_flat(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    block_n: int = 128,
+    block_k: int = 128,
+    tiles: int = 2,
+    num_warps: int = 4,
+    cuda_cores: bool | None = None,
+    expand: bool = False,
+) -> Tensor:
+    """``x [M <= 16, K] @ W^T`` with the flat split-K kernel: ``tiles`` K tiles per program, K split over the grid.
+
+    ``cuda_cores`` (default: ``M == 1``) reduces on the CUDA cores; otherwise ``tl.dot`` on a 16-row activation
+    tile, with ``expand`` loading each word once and repeating it in registers instead of once per K row.
+    """
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    m = x.shape[0]
+    if not 1 <= m <= 16:
+        raise ValueError(f"the flat split-K kernel takes 1 to 16 activation rows, got {m}")
+    pack = 32 // bits
+    if block_k % pack or block_k < pack or (gs > 0 and gs % pack):
+        raise ValueError(f"block_k={block_k} must be a multiple of {pack}")
+    cuda_cores = (m == 1) if cuda_cores is None else cuda_cores
+    if cuda_cores and m != 1:
+        raise ValueError("the CUDA-core reduction takes one activation row")
+    y = _output(out, m, n, x)
+    n_tiles = cdiv(n, block_n)
+    splits = cdiv(cdiv(k, block_k), tiles)
+    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    if x.device.type != "cuda":
+        part.fill_(float("nan"))
+    cnt = _counters(x.device, n_tiles)
+    _flat_kernel[(n_tiles, splits)](
+        x,
+        qweight,
+        scales,
+        y,
+        part,
+        cnt,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        _MAGIC,
+        BITS=bits,
+        GROUP_SIZE=gs,
+        DOT_PRECISION=_dot_precision(x),
+        BLOCK_M=1 if cuda_cores else 16,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        TILES=tiles,
+        GEMV3D=cuda_cores,
+        EXPAND=expand,
+        num_warps=num_warps,
+        num_stages=1,
+    )
+    return y
+
+
 def matmul_tiled(
     x: Tensor,
     qweight: Tensor,
@@ -573,8 +789,8 @@ def matmul_tiled(
     y = _output(out, m, n, x)
     if m == 0:
         return y
-    bucket = min(triton.next_power_of_2(m), 4096)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    bucket = min(next_power_of_2(m), 4096)
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _run(
         _tiled_kernel,
         config,
@@ -605,7 +821,7 @@ def dequantize(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     block_r, block_n = (16, 128) if _INTERPRET else (8, 256)
-    grid = (triton.cdiv(qweight.shape[0], block_r), triton.cdiv(n, block_n))
+    grid = (cdiv(qweight.shape[0], block_r), cdiv(n, block_n))
     _dequant_kernel[grid](
         qweight,
         scales,
@@ -636,7 +852,7 @@ def matmul(
     if m == 1:
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
-        return matmul_splitk(x, qweight, scales, bits, group_size, out=out)
+        return matmul_flat(x, qweight, scales, bits, group_size, out=out, **FLAT_DOT_CONFIG)
     if m < DEQUANT_MIN_M:
         return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
     x, qweight, scales, _, n, _ = _prepare(x, qweight, scales, bits, group_size)

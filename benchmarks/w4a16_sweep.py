@@ -1,0 +1,119 @@
+"""Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
+
+Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
+word expansion for M = 1 and 16) is checked against the dequantize-then-matmul result and timed in a CUDA graph
+over 4 rotated weight copies, beside cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
+The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
+configuration table in ``triton_kernels`` is chosen from.
+
+  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from salaquant.kernels.w4a16 import triton_kernels as tk
+
+SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
+COPIES = 4
+GROUP = 128
+CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
+
+
+def graph_us(fn: Callable[[int], object]) -> float:
+    """Median time per call of ``fn(copy)`` replayed in a CUDA graph that runs every copy once."""
+
+    def all_copies() -> None:
+        for i in range(COPIES):
+            fn(i)
+
+    all_copies()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(all_copies, rep=50, return_mode="median") * 1e3 / COPIES
+
+
+def eager_us(fn: Callable[[int], object]) -> float:
+    counter = itertools.count()
+    return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=50, return_mode="median") * 1e3
+
+
+def candidates(m: int) -> list[dict]:
+    out = []
+    if m == 1:
+        for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
+            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False))
+    for bn, bk, t, ex in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True)):
+        out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
+    return out
+
+
+def sweep_case(name: str, k: int, n: int, m: int, qw: list, sc: list, dense: list, top: int, t0: float) -> dict:
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    ref = F.linear(x, dense[0]).float()
+    base = {
+        "cublas": graph_us(lambda i: F.linear(x, dense[i])),
+        "cublas_eager": eager_us(lambda i: F.linear(x, dense[i])),
+        "default": graph_us(lambda i: tk.matmul(x, qw[i], sc[i], 4, GROUP)),
+        "default_eager": eager_us(lambda i: tk.matmul(x, qw[i], sc[i], 4, GROUP)),
+    }
+    results = []
+    for cfg in candidates(m):
+        try:
+            y = tk.matmul_flat(x, qw[0], sc[0], 4, GROUP, **cfg).float()
+            err = float((y - ref).norm() / ref.norm())
+            us = graph_us(lambda i, cfg=cfg: tk.matmul_flat(x, qw[i], sc[i], 4, GROUP, **cfg))
+            results.append({**cfg, "us": us, "rel_err": err})
+        except Exception as exc:  # a configuration that fails to compile is recorded, the rest still run
+            results.append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    ok = sorted((r for r in results if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
+    row = {"layer": name, "K": k, "N": n, "M": m, **base, "configs": results}
+    print(
+        f"{name:14} M={m:<3} cuBLAS {base['cublas']:7.1f} us (eager {base['cublas_eager']:.1f})  default "
+        f"{base['default']:7.1f} us (eager {base['default_eager']:.1f})  [{time.time() - t0:.0f} s]",
+        flush=True,
+    )
+    for r in ok[:top]:
+        cfg = " ".join(
+            f"{key}={r[key]}" for key in ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
+        )
+        print(f"    {r['us']:7.1f} us  x{base['cublas'] / r['us']:.2f}  {cfg}  err={r['rel_err']:.1e}", flush=True)
+    bad = [r for r in results if "us" in r and r["rel_err"] >= 1e-2]
+    if bad:
+        print(f"    {len(bad)} configurations gave wrong results, e.g. {bad[0]}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--top", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    t0 = time.time()
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        qw = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda") for _ in range(COPIES)]
+        sc = [(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 1e-3).half() for _ in range(COPIES)]
+        dense = [tk.dequantize(qw[i], sc[i], 4, GROUP).contiguous() for i in range(COPIES)]
+        for m in args.m:
+            rows.append(sweep_case(name, k, n, m, qw, sc, dense, args.top, t0))
+    out = args.out if args.out.suffix == ".json" else args.out / "w4a16_sweep.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
