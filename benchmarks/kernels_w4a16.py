@@ -1,9 +1,11 @@
 """GPU benchmark of the W4A16 GEMM (int4 g128, bf16 activations) at SALA shapes against cuBLAS bf16 ``F.linear``
 and PyTorch's tinygemm (``torch._weight_int4pack_mm``, when the op exists).
 
-Times are medians of ``triton.testing.do_bench``; every timed call uses the next of 4 weight copies, so the weights
-come from HBM rather than L2. ``ours`` is ``w4a16_matmul`` (the path it picks for M is named); the other Triton paths
-that apply to M are timed too (``alt``), which is what ``DEQUANT_MIN_M`` and the autotune lists are tuned from.
+Times are medians over CUDA-graph replays of one call per weight copy (4 copies, so the weights come from HBM
+rather than L2): this is how a decode step runs in a server, without the Python launch cost. ``*_eager_us`` are
+medians of ``triton.testing.do_bench`` on single eager calls, launch cost included. ``ours`` is ``w4a16_matmul``
+(the path it picks for M is named); the other Triton paths that apply to M are timed too (``alt``), which is what
+``DEQUANT_MIN_M`` and the launch settings are tuned from.
 
   python benchmarks/kernels_w4a16.py --out OUT   (OUT a folder, or a .json file)
 """
@@ -35,7 +37,19 @@ DEVICE = "cuda"
 
 
 def _time_us(fn: Callable[[int], object], rep: int) -> float:
-    """Median time of ``fn(copy)`` in microseconds, ``copy`` cycling over the weight copies."""
+    """Median time of ``fn(copy)`` in microseconds, from CUDA-graph replays of one call per weight copy."""
+
+    def all_copies() -> None:
+        for i in range(COPIES):
+            fn(i)
+
+    all_copies()  # compile and autotune outside the graph
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(all_copies, rep=rep, return_mode="median") * 1e3 / COPIES
+
+
+def _eager_us(fn: Callable[[int], object], rep: int) -> float:
+    """Median time of one eager ``fn(copy)`` call, ``copy`` cycling over the weight copies."""
     counter = itertools.count()
     return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=rep, return_mode="median") * 1e3
 
@@ -66,7 +80,7 @@ def _auto_path(m: int) -> str:
     if m == 1:
         return "gemv"
     if m <= 16:
-        return "splitk"
+        return "flat"
     return "tiled" if m < tk.DEQUANT_MIN_M else "dequant+mm"
 
 
@@ -84,13 +98,19 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     row: dict = {"layer": name, "K": k, "N": n, "M": m, "path": _auto_path(m), "rel_err_vs_dense": rel_err}
     row["cublas_us"] = _time_us(lambda i: F.linear(x, dense[i]), rep)
     row["ours_us"] = _time_us(lambda i: w4a16_matmul(x, qweight[i], scales[i], 4, GROUP), rep)
+    row["cublas_eager_us"] = _eager_us(lambda i: F.linear(x, dense[i]), rep)
+    row["ours_eager_us"] = _eager_us(lambda i: w4a16_matmul(x, qweight[i], scales[i], 4, GROUP), rep)
     tiny = _tinygemm(x, k, n)
     row["tinygemm_us"] = _time_us(tiny, rep) if tiny is not None else None
 
     alt: dict[str, float] = {}
-    if m == 1:
+    if m <= 16:
         alt["splitk"] = _time_us(lambda i: tk.matmul_splitk(x, qweight[i], scales[i], 4, GROUP), rep)
-    if m > 1:
+    if m == 1:
+        alt["flat"] = _time_us(
+            lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep
+        )
+    if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
 
         def dequant_mm(i: int) -> torch.Tensor:
@@ -126,7 +146,7 @@ def main() -> None:
     rows = []
     head = (
         f"{'layer':14} {'M':>5} {'path':>10} {'cuBLAS us':>10} {'tinygemm':>9} {'ours us':>9} {'x cuBLAS':>8} "
-        f"{'x tiny':>7} {'TB/s w':>7} {'TFLOP/s':>8}  alt paths (us)"
+        f"{'x tiny':>7} {'TB/s w':>7} {'TFLOP/s':>8} {'eager cuBLAS/ours':>18}  alt paths (us)"
     )
     print(head)
     print("-" * len(head))
@@ -139,7 +159,8 @@ def main() -> None:
             print(
                 f"{name:14} {m:>5} {r['path']:>10} {r['cublas_us']:>10.1f} {_fmt(r['tinygemm_us'], 9, 1)} "
                 f"{r['ours_us']:>9.1f} {r['speedup_vs_cublas']:>8.2f} {_fmt(r['speedup_vs_tinygemm'], 7, 2)} "
-                f"{r['weight_TBps']:>7.2f} {r['TFLOPs']:>8.1f}  {alt}",
+                f"{r['weight_TBps']:>7.2f} {r['TFLOPs']:>8.1f} "
+                f"{r['cublas_eager_us']:>8.1f}/{r['ours_eager_us']:<9.1f}  {alt}",
                 flush=True,
             )
     res = {

@@ -55,7 +55,7 @@ class EngineOptions:
     propagate: str = "quantized"  # or "float": next layer sees the float layer's outputs
     hessian: bool = True
     hessian_dtype: str = "fp32"  # or "fp64"
-    tf32: bool = False  # TF32 tensor cores for the Hessian products (faster, ~1e-3 relative error)
+    tf32: bool = False  # TF32 for fp32 activations too (~1e-3 relative error); 16-bit ones always use it, exactly
     lm_head_stats: bool = False
     save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
     show_progress: bool = True
