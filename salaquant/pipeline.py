@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .background import BackgroundWriter
 from .calibration import samples_fingerprint
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
@@ -46,8 +47,8 @@ class ResumeError(RuntimeError):
 
 @dataclass
 class EngineOptions:
-    """Settings of the calibration engine. Everything here except ``device``, ``show_progress`` and
-    ``pin_memory`` enters the resume fingerprint."""
+    """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory`` and
+    ``background_writes`` enters the resume fingerprint."""
 
     device: str = "auto"
     chunk_tokens: int = 8192
@@ -60,10 +61,11 @@ class EngineOptions:
     save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
     show_progress: bool = True
     pin_memory: bool = True
+    background_writes: bool = True  # write layer i's files while layer i + 1 computes
 
     def fingerprint_fields(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("device", "show_progress", "pin_memory"):
+        for key in ("device", "show_progress", "pin_memory", "background_writes"):
             d.pop(key)
         return d
 
@@ -310,20 +312,27 @@ class CalibrationEngine:
         timings["embed"] += time.perf_counter() - t0
         progress.start(n_layers, len(self.samples), total_tokens, finished)
         layer_seconds: list[tuple[int, str, float]] = []
+        # Layer i's files (statistics or quantized tensors, report, hidden states, then the resume state) are
+        # written while layer i + 1 computes; the state names layer i finished only once all of them are on disk.
+        writer = BackgroundWriter(enabled=self.opts.background_writes)
         try:
             for i in range(finished, n_layers):
                 t_layer = time.perf_counter()
-                hs = self._layer(i, hs, quantizer, progress, timings)
+                hs, files = self._layer(i, hs, quantizer, progress, timings)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
-                self._save_hidden(hs)
-                self._write_state(i + 1)
+                writer.drain()
+                writer.submit(self._persist_layer, i, files, hs)
                 timings["save"] += time.perf_counter() - t0
                 progress.layer_done(i)
             lm_stats = self._lm_head_stats(hs) if self.opts.lm_head_stats else None
+            t0 = time.perf_counter()
+            writer.drain()
+            timings["save"] += time.perf_counter() - t0
         finally:
             progress.stop()
             torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+            writer.close()
         reports = []
         for i in range(n_layers):
             path = self.work_dir / "layers" / f"{i:03d}.json"
@@ -333,7 +342,8 @@ class CalibrationEngine:
 
     def _layer(
         self, i: int, hs: list[torch.Tensor], quantizer: LayerQuantizer | None, progress, timings: dict[str, float]
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]] | None]:
+        """Layer ``i`` over every sample: its outputs, and the files to write for it (written by the caller)."""
         cfg = self.config
         t0 = time.perf_counter()
         layer = load_layer(self.reader, cfg, i, self.device)
@@ -365,10 +375,8 @@ class CalibrationEngine:
             assert collector is not None
             result = quantizer.quantize_layer(i, layer, collector.stats)
             timings["quantize"] += time.perf_counter() - t0
-            _atomic_save(
-                result.tensors or {"_empty": torch.zeros(0)}, self.work_dir / "layers" / f"{i:03d}.safetensors"
-            )
-            _atomic_json(result.report, self.work_dir / "layers" / f"{i:03d}.json")
+            tensors = {k: v.detach().cpu() for k, v in (result.tensors or {"_empty": torch.zeros(0)}).items()}
+            files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = (tensors, result.report)
         elif collector is not None:
             tensors = {
                 f"{g}.{k}": v
@@ -376,8 +384,9 @@ class CalibrationEngine:
                 for k, v in st.to_tensors().items()
                 if self.opts.save_hessians or not k.startswith("xtx")
             }
-            _atomic_save(tensors, self.work_dir / "layers" / f"{i:03d}.safetensors")
-            _atomic_json({"kind": layer.kind}, self.work_dir / "layers" / f"{i:03d}.json")
+            files = (tensors, {"kind": layer.kind})
+        else:
+            files = None
 
         if float_out is not None:
             out = float_out
@@ -392,7 +401,17 @@ class CalibrationEngine:
             timings["propagate"] += time.perf_counter() - t0
         del layer, result
         log.info("layer %d (%s) done", i, cfg.mixer_types[i])
-        return out
+        return out, files
+
+    def _persist_layer(
+        self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, hs: list[torch.Tensor]
+    ) -> None:
+        """Layer ``i``'s files, then the hidden states after it, then the state that marks it finished."""
+        if files is not None:
+            _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
+            _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
+        self._save_hidden(hs)
+        self._write_state(i + 1)
 
     @torch.no_grad()
     def _lm_head_stats(self, hs: list[torch.Tensor]) -> GroupStats:
