@@ -466,6 +466,118 @@ def generate(
     console.print(prompt + tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), markup=False, highlight=False)
 
 
+@app.command("eval")
+def eval_command(
+    quantized: Annotated[Path, typer.Argument(help="The exported (GPTQ / NVFP4) checkpoint folder.")],
+    reference: Annotated[Path, typer.Option("--reference", "-r", help="The bf16 source checkpoint folder.")],
+    data: Annotated[
+        str | None, typer.Option(help="Held-out text: .jsonl, text, folder, parquet or hf:NAME... (default: shipped)")
+    ] = None,
+    field: Field = None,
+    max_len: Annotated[int, typer.Option(help="Tokens per perplexity window (context length).")] = 4096,
+    windows: Annotated[int, typer.Option(help="Number of windows scored.")] = 8,
+    attention: Annotated[str, typer.Option(help="auto (sparse from dense_len on), dense or sparse.")] = "auto",
+    niah: Annotated[
+        str, typer.Option(help='Needle-in-a-haystack lengths, e.g. "8k,32k"; auto = dense_len,4xdense_len; none.')
+    ] = "auto",
+    niah_depths: Annotated[str, typer.Option(help="Needle depths (fractions of the context).")] = "0.1,0.3,0.5,0.7,0.9",
+    prompts: Annotated[
+        str | None, typer.Option(help="Generation prompts: .jsonl (prompt/text) or one per line (default: built-in).")
+    ] = None,
+    gen_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (0 skips generation).")] = 40,
+    layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
+    report: Annotated[Path | None, typer.Option(help="Folder for eval.json / eval.png (default: the checkpoint).")] = (
+        None
+    ),
+    device: Device = "auto",
+    backend: Annotated[str, typer.Option(help="Quantized linears: auto (Triton on CUDA), triton or reference.")] = (
+        "auto"
+    ),
+    attention_kernels: Annotated[
+        bool | None,
+        typer.Option(
+            "--attention-kernels/--no-attention-kernels", help="GLA / sparse attention kernels (default: runtime's)."
+        ),
+    ] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size for the format check.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the NIAH filler, keys and values.")] = 0,
+    max_ppl_increase: Annotated[str | None, typer.Option(help='Fail above this perplexity increase: "5%" or 0.05.')] = (
+        None
+    ),
+    max_kl: Annotated[
+        str | None, typer.Option(help="Fail above this mean KL(source || quantized), nats/token.")
+    ] = None,
+    min_top1: Annotated[str | None, typer.Option(help='Fail below this top-1 agreement: "90%" or 0.9.')] = None,
+    max_layer_error: Annotated[
+        str | None, typer.Option(help="Fail when a layer's relative error exceeds this.")
+    ] = None,
+    max_niah_drop: Annotated[
+        str | None, typer.Option(help='Fail when the NIAH exact-match rate drops by more than this ("10%").')
+    ] = None,
+    max_rerun_diff: Annotated[
+        str | None, typer.Option(help="Fail when two runs of the same window differ by more (abs. logit).")
+    ] = None,
+    no_collapse: Annotated[
+        bool, typer.Option("--no-collapse", help="Fail on collapse (where the source has none) or NaN/Inf logits.")
+    ] = False,
+    no_new_loops: Annotated[
+        bool, typer.Option("--no-new-loops", help="Fail on n-gram loops the source's continuation does not have.")
+    ] = False,
+) -> None:
+    """Quantized vs bf16 source: perplexity, KL, top-1, NIAH, generation checks, per-layer error; gates.
+
+    Exit status: 0 all thresholds met, 1 format check failed, 2 bad input, 3 a threshold missed.
+    """
+    from .calibration import CalibrationError
+    from .check import CheckError
+    from .eval import EvalInputError, EvalOptions, Thresholds, run_eval
+    from .eval.command import parse_depths, parse_lengths
+    from .eval.thresholds import parse_fraction, parse_non_negative
+
+    try:
+
+        def frac(value: str | None, name: str) -> float | None:
+            return None if value is None else parse_fraction(value, name)
+
+        def number(value: str | None, name: str) -> float | None:
+            return None if value is None else parse_non_negative(value, name)
+
+        gates = Thresholds(
+            max_ppl_increase=frac(max_ppl_increase, "--max-ppl-increase"),
+            max_kl=number(max_kl, "--max-kl"),
+            min_top1=frac(min_top1, "--min-top1"),
+            max_layer_error=number(max_layer_error, "--max-layer-error"),
+            max_niah_drop=frac(max_niah_drop, "--max-niah-drop"),
+            max_rerun_diff=number(max_rerun_diff, "--max-rerun-diff"),
+            no_collapse=no_collapse,
+            no_new_loops=no_new_loops,
+        )
+        options = EvalOptions(
+            data=data,
+            field=field,
+            max_len=max_len,
+            windows=windows,
+            attention=attention,
+            niah_lengths=parse_lengths(niah),
+            niah_depths=parse_depths(niah_depths),
+            prompts_file=prompts,
+            gen_tokens=gen_tokens,
+            layer_windows=layer_windows,
+            device=device,
+            backend=backend,
+            kernels=attention_kernels,
+            tp=tp,
+            seed=seed,
+        )
+        result = run_eval(quantized, reference, options, gates, report, console)
+    except CheckError as exc:
+        fail(f"format check failed, eval stopped: {exc}", code=1)
+    except (EvalInputError, CalibrationError, ConfigError, CheckpointError, ValueError, OSError) as exc:
+        fail(str(exc))
+    if not result["passed"]:
+        fail("eval: " + "; ".join(result["failures"]), code=3)
+
+
 @app.command()
 def check(
     model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],

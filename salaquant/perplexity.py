@@ -66,21 +66,13 @@ def perplexity(
     return PerplexityResult(nll_sum=nll, tokens=count, windows=len(wins))
 
 
-@torch.no_grad()
 def compare_models(
     reference, model, wins: list[torch.Tensor], attention_mode: str = "dense", device: torch.device | str = "cpu"
 ) -> dict[str, float]:
     """Perplexity of ``model``, mean per-token KL(reference || model) and top-1 agreement of next-token
-    predictions over the windows (both models called as ``m(ids, attention_mode=...).logits``)."""
-    nll = kl = agree = 0.0
-    count = 0
-    for w in wins:
-        ids = w[None].to(device)
-        p = torch.log_softmax(reference(ids, attention_mode=attention_mode).logits[0, :-1].float(), -1)
-        q = torch.log_softmax(model(ids, attention_mode=attention_mode).logits[0, :-1].float(), -1)
-        target = ids[0, 1:]
-        nll += float(-q.gather(-1, target[:, None]).sum())
-        kl += float((p.exp() * (p - q)).sum())
-        agree += float((p.argmax(-1) == q.argmax(-1)).sum())
-        count += target.numel()
-    return {"ppl": math.exp(nll / count), "kl": kl / count, "top1": agree / count}
+    predictions over the windows (both models called as ``m(ids, attention_mode=...).logits``); the figures
+    of ``salaquant.eval.metrics``, which also has the reference's perplexity and the per-token differences."""
+    from .eval.metrics import compare_windows
+
+    s = compare_windows(reference, model, wins, attention_mode, device)[0].summary()
+    return {"ppl": s["ppl_quantized"], "kl": s["kl"], "top1": s["top1"]}

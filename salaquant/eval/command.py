@@ -1,0 +1,478 @@
+"""``run_eval``: format check, then the quantized model against its source on the same inputs, then the gates.
+
+Order of work: every input is validated before any model is loaded (paths, configs, compatibility, options,
+data, report folder); the format checker of the export code runs next and a failed check stops eval; then
+perplexity / KL / top-1 on the held-out windows (plus a rerun of the first window), NIAH, greedy generation,
+per-layer errors; the thresholds; the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ..model.checkpoint import CheckpointReader
+from ..model.config import ATTENTION_MODES, SalaConfig
+from ..perplexity import windows as make_windows
+from . import generation as gen
+from . import layers as lay
+from . import niah as nh
+from . import report
+from .data import load_eval_text
+from .metrics import compare_windows
+from .thresholds import Thresholds
+
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+class EvalInputError(ValueError):
+    """Bad input to eval (path, config, option, data): nothing was loaded or run."""
+
+
+@dataclass
+class EvalOptions:
+    """What to measure and how. ``niah_lengths=None`` means "auto": dense_len and 4 x dense_len (none when the
+    checkpoint has no sparse_config); an empty list skips NIAH; ``gen_tokens=0`` skips generation and
+    ``layer_windows=0`` the per-layer error."""
+
+    data: str | None = None
+    field: str | None = None
+    max_len: int = 4096
+    windows: int = 8
+    attention: str = "auto"
+    niah_lengths: list[int] | None = None
+    niah_depths: tuple[float, ...] = DEFAULT_DEPTHS
+    prompts: list[str] | None = None  # None: the built-in prompt set
+    prompts_file: str | None = None
+    gen_tokens: int = 40
+    layer_windows: int = 2
+    device: str = "auto"
+    backend: str = "auto"
+    kernels: bool | None = None  # None: the runtime's default
+    dtype: str = "bf16"
+    tp: int = 1
+    seed: int = 0
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise EvalInputError(f"--attention {self.attention!r}: expected one of {', '.join(ATTENTION_MODES)}")
+        if self.max_len < 2:
+            raise EvalInputError(f"--max-len {self.max_len}: need at least 2 tokens per window")
+        if self.windows < 1:
+            raise EvalInputError(f"--windows {self.windows}: need at least one window")
+        if self.gen_tokens < 0 or 0 < self.gen_tokens < 8:
+            raise EvalInputError(f"--gen-tokens {self.gen_tokens}: 0 (skip generation) or at least 8")
+        if self.layer_windows < 0:
+            raise EvalInputError(f"--layer-windows {self.layer_windows}: must be >= 0")
+        if self.tp < 1:
+            raise EvalInputError(f"--tp {self.tp}: must be >= 1")
+        for d in self.niah_depths:
+            if not 0.0 <= d <= 1.0:
+                raise EvalInputError(f"--niah-depths: {d} is not a fraction between 0 and 1")
+        if self.niah_lengths is not None and any(n < 2 for n in self.niah_lengths):
+            raise EvalInputError(f"--niah: lengths must be at least 2 tokens, got {self.niah_lengths}")
+        if self.prompts is not None and any(not p for p in self.prompts):
+            raise EvalInputError("--prompts: empty prompt")
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+COMPARED_FIELDS = tuple(f.name for f in dataclasses.fields(SalaConfig) if f.name != "raw")
+
+
+def _config(path: Path, what: str) -> tuple[SalaConfig, CheckpointReader]:
+    if not path.exists():
+        raise EvalInputError(f"{what} {path}: no such folder")
+    if not path.is_dir():
+        raise EvalInputError(f"{what} {path}: not a folder (pass the checkpoint folder)")
+    config = SalaConfig.from_file(path)  # ConfigError naming the key of a non-SALA config
+    return config, CheckpointReader(path)  # CheckpointError when the weights are missing
+
+
+def compatibility_problems(quantized: SalaConfig, reference: SalaConfig) -> list[str]:
+    """Architecture fields of the two configs that differ (an export keeps every one of them)."""
+    return [
+        f"{name}: {getattr(quantized, name)!r} in the quantized checkpoint, {getattr(reference, name)!r} in the source"
+        for name in COMPARED_FIELDS
+        if getattr(quantized, name) != getattr(reference, name)
+    ]
+
+
+def parse_lengths(text: str) -> list[int] | None:
+    """``"8k,32k"`` -> [8192, 32768]; ``"auto"`` -> None; ``"none"`` / ``""`` -> []."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t in ("", "none", "off", "0"):
+        return []
+    out = []
+    for part in t.split(","):
+        p = part.strip()
+        mult = 1024 if p.endswith("k") else 1024 * 1024 if p.endswith("m") else 1
+        num = p[:-1] if mult > 1 else p
+        try:
+            value = float(num) * mult
+        except ValueError:
+            raise EvalInputError(f"--niah {text!r}: {part!r} is not a length such as 8k, 32k or 4096") from None
+        if value != int(value) or value < 2:
+            raise EvalInputError(f"--niah {text!r}: {part!r} is not a whole number of tokens >= 2")
+        out.append(int(value))
+    return out
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    try:
+        depths = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise EvalInputError(f"--niah-depths {text!r}: expected fractions such as 0.1,0.5,0.9") from None
+    if not depths:
+        raise EvalInputError("--niah-depths: no depth given")
+    return depths
+
+
+def _report_dir(report_dir: Path | None, quantized: Path) -> Path:
+    folder = report_dir if report_dir is not None else quantized
+    if folder.exists() and not folder.is_dir():
+        raise EvalInputError(f"--report {folder}: exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EvalInputError(f"--report {folder}: cannot create it ({exc})") from exc
+    if not os.access(folder, os.W_OK):
+        raise EvalInputError(f"report folder {folder} is not writable (pass --report DIR)")
+    return folder
+
+
+def _format_check(path: Path, fmt: str, tp: int) -> dict[str, Any]:
+    """Run the export code's checker (raises ``CheckError``: eval stops); bf16 checkpoints have none."""
+    if fmt == "bf16":
+        return {"status": "skipped", "detail": "bf16 checkpoint: no quantization_config to check"}
+    from ..check import check_checkpoint
+
+    rep = check_checkpoint(path, tp=tp)
+    return {
+        "status": "passed",
+        "detail": f"{rep.format}, tp={tp}: {len(rep.quantized)} quantized linears, {len(rep.unquantized)} in 16 bits",
+        "quantized_linears": len(rep.quantized),
+        "unquantized_linears": len(rep.unquantized),
+        "warnings": rep.warnings,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ progress
+
+
+class _Progress:
+    """One bar per phase on stderr (or nothing)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.progress = (
+            Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            if enabled
+            else None
+        )
+
+    @contextmanager
+    def phase(self, description: str, total: int) -> Iterator[Any]:
+        if self.progress is None:
+            yield lambda *_: None
+            return
+        task = self.progress.add_task(description, total=total)
+        yield lambda *_: self.progress.advance(task) if self.progress is not None else None
+
+    def __enter__(self) -> _Progress:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def run_eval(
+    quantized: Path,
+    reference: Path,
+    options: EvalOptions | None = None,
+    thresholds: Thresholds | None = None,
+    report_dir: Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``quantized`` against ``reference``; returns the result (also written as ``eval.json`` and
+    ``eval.png`` in ``report_dir``, default: the quantized checkpoint's folder). ``result["passed"]`` is False
+    when a threshold was missed. Raises ``EvalInputError`` / ``CheckpointError`` / ``ConfigError`` /
+    ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
+    from .. import __version__
+    from ..pipeline import resolve_device
+    from ..runtime.load import checkpoint_format, load
+    from ..workflow import load_tokenizer
+
+    opts = options or EvalOptions()
+    gates = thresholds or Thresholds()
+    console = console or Console()
+    opts.validate()
+    quantized, reference = Path(quantized), Path(reference)
+    qcfg, qreader = _config(quantized, "quantized checkpoint")
+    rcfg, rreader = _config(reference, "--reference")
+    problems = compatibility_problems(qcfg, rcfg)
+    if problems:
+        more = "; ..." if len(problems) > 4 else ""
+        raise EvalInputError(f"{quantized} is not an export of {reference}: " + "; ".join(problems[:4]) + more)
+    qfmt, rfmt = checkpoint_format(qreader), checkpoint_format(rreader)
+    if opts.attention == "sparse" and qcfg.sparse_config is None:
+        raise EvalInputError(f"--attention sparse: {quantized}/config.json has no sparse_config")
+    niah_lengths = opts.niah_lengths
+    if niah_lengths is None:
+        niah_lengths = [qcfg.dense_len, 4 * qcfg.dense_len] if qcfg.dense_len is not None else []
+    _gate_needs(gates, opts, niah_lengths)
+    has_tokenizer = any((reference / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    try:
+        tokenizer = load_tokenizer(reference if has_tokenizer else quantized)
+    except (OSError, ValueError) as exc:
+        raise EvalInputError(f"no usable tokenizer in {reference} or {quantized}: {exc}") from exc
+    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else _first(rcfg.eos_token_id)
+    unk_id = tokenizer.unk_token_id
+    text = load_eval_text(opts.data, tokenizer, eos_id, opts.field)
+    wins = make_windows(text.tokens, opts.max_len, opts.windows)
+    if not wins:
+        raise EvalInputError(
+            f"data {text.source}: {text.tokens.numel()} tokens, fewer than one window of --max-len {opts.max_len}"
+        )
+    try:
+        cases = [
+            nh.make_case(tokenizer, n, d, opts.seed, tokenizer.bos_token_id)
+            for n in niah_lengths
+            for d in opts.niah_depths
+        ]
+    except ValueError as exc:
+        raise EvalInputError(f"--niah: {exc}") from exc
+    if opts.prompts_file is not None:
+        prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
+    else:
+        prompts = list(opts.prompts) if opts.prompts is not None else list(gen.DEFAULT_PROMPTS)
+    folder = _report_dir(report_dir, quantized)
+    notes: list[str] = []
+    if rfmt != "bf16":
+        notes.append(f"the reference {reference} is a {rfmt} checkpoint, not a bf16 source")
+    if len(wins) < opts.windows:
+        notes.append(
+            f"the data holds {len(wins)} windows of {opts.max_len} tokens, fewer than --windows {opts.windows}"
+        )
+    too_long = [n for n in niah_lengths if n > qcfg.max_position_embeddings]
+    if too_long:
+        notes.append(f"NIAH lengths {too_long} exceed max_position_embeddings {qcfg.max_position_embeddings}")
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    check = _format_check(quantized, qfmt, opts.tp)  # CheckError stops eval here
+    timings["format_check"] = time.perf_counter() - t0
+
+    dev = resolve_device(opts.device)
+    t = time.perf_counter()
+    kw: dict[str, Any] = {"device": dev, "dtype": opts.dtype, "backend": opts.backend}
+    if opts.kernels is not None:
+        kw["kernels"] = opts.kernels
+    ref_model = load(reference, **kw)
+    q_model = load(quantized, **kw)
+    timings["load"] = time.perf_counter() - t
+
+    result: dict[str, Any] = {
+        "salaquant": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(dev),
+        "quantized": {"path": str(quantized), "format": qfmt, "check": check},
+        "reference": {"path": str(reference), "format": rfmt},
+        "settings": {
+            **{k: v for k, v in dataclasses.asdict(opts).items() if k not in ("show_progress", "prompts")},
+            "niah_lengths": niah_lengths,
+            "dense_len": qcfg.dense_len,
+            "unk_token_id": unk_id,
+            "eos_token_id": eos_id,
+        },
+        "data": {
+            **text.summary(),
+            "window_len": opts.max_len,
+            "attention": opts.attention,
+            "effective_attention": nh.effective_attention(opts.attention, opts.max_len, qcfg.dense_len),
+        },
+        "notes": notes,
+    }
+
+    with _Progress(opts.show_progress) as progress:
+        t = time.perf_counter()
+        with progress.phase("perplexity / KL", len(wins)) as step:
+            cmp, rerun = compare_windows(
+                ref_model, q_model, wins, opts.attention, dev, unk_id=unk_id, rerun_first=True, on_window=step
+            )
+        result["perplexity"] = cmp.summary()
+        result["stability"] = rerun.summary() if rerun is not None else None
+        timings["perplexity"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        result["niah"] = _run_niah(ref_model, q_model, tokenizer, cases, opts, qcfg.dense_len, dev, progress)
+        timings["niah"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        result["generation"] = _run_generation(
+            ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, dev, progress
+        )
+        timings["generation"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        if opts.layer_windows > 0:
+            with progress.phase("per-layer error", qcfg.num_hidden_layers) as step:
+                errs = lay.layer_errors(
+                    ref_model, q_model, wins[: opts.layer_windows], opts.attention, dev, on_layer=step
+                )
+            result["layers"] = lay.summarize(errs) | {"windows": min(opts.layer_windows, len(wins))}
+        else:
+            result["layers"] = None
+        timings["layers"] = time.perf_counter() - t
+
+    checks = gates.check(result)
+    result["thresholds"] = checks
+    result["failures"] = [c["message"] for c in checks if not c["passed"]]
+    result["passed"] = not result["failures"]
+    _name_outliers(result)
+    timings["total"] = time.perf_counter() - t0
+    result["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+    result["report"] = {"json": str(folder / report.JSON_NAME), "png": str(folder / report.PNG_NAME)}
+    report.write_json(result, folder)
+    report.write_png(result, folder)
+    report.render(result, console)
+    console.print(f"[dim]wrote {folder / report.JSON_NAME} and {report.PNG_NAME} ({timings['total']:.1f} s)[/]")
+    return result
+
+
+def _first(x: int | list[int] | None) -> int | None:
+    return x[0] if isinstance(x, list) and x else x if isinstance(x, int) else None
+
+
+def _gate_needs(gates: Thresholds, opts: EvalOptions, niah_lengths: Sequence[int]) -> None:
+    if gates.max_niah_drop is not None and not niah_lengths:
+        raise EvalInputError("--max-niah-drop needs NIAH lengths (--niah), but NIAH is off")
+    if gates.no_new_loops and opts.gen_tokens == 0:
+        raise EvalInputError("--no-new-loops needs generation, but --gen-tokens is 0")
+    if gates.max_layer_error is not None and opts.layer_windows == 0:
+        raise EvalInputError("--max-layer-error needs the per-layer error, but --layer-windows is 0")
+
+
+def _name_outliers(result: dict[str, Any]) -> None:
+    layers = result.get("layers")
+    if not layers or not layers.get("outliers"):
+        return
+    by_index = {e["layer"]: e for e in layers["layers"]}
+    for i in layers["outliers"]:
+        e = by_index[i]
+        result["notes"].append(
+            f"layer {i} ({e['kind']}) stands out: relative error {e['rel_err']:.4g} vs median "
+            f"{layers['median_rel_err']:.4g}; its {e['worst_branch']} branch is off by {e[e['worst_branch']]:.4g} "
+            f"(attention {e['attention']:.4g}, mlp {e['mlp']:.4g})"
+        )
+
+
+def _run_niah(
+    ref_model: Any,
+    q_model: Any,
+    tokenizer: Any,
+    built: Sequence[nh.NiahCase],
+    opts: EvalOptions,
+    dense_len: int | None,
+    dev: torch.device,
+    progress: _Progress,
+) -> dict[str, Any] | None:
+    if not built:
+        return None
+    cases = []
+    with progress.phase("needle in a haystack", len(built)) as step:
+        for case in built:
+            ids = case.ids[None].to(dev)
+            row = case.summary() | {"attention": nh.effective_attention(opts.attention, case.length, dense_len)}
+            for name, model in (("source", ref_model), ("quantized", q_model)):
+                g = gen.greedy(model, ids, case.max_new_tokens, opts.attention)
+                text = tokenizer.decode(g.tokens, skip_special_tokens=True)
+                hit = nh.contains_value(text, case.value)
+                row[name] = {"text": text, "hit": hit, "nonfinite_step": g.nonfinite_step}
+            cases.append(row)
+            step()
+    lengths = list(dict.fromkeys(c.length for c in built))
+    by_length = []
+    for n in lengths:
+        rows = [c for c in cases if c["length"] == n]
+        by_length.append(
+            {
+                "length": n,
+                "attention": rows[0]["attention"],
+                "cases": len(rows),
+                "source_hits": sum(c["source"]["hit"] for c in rows),
+                "quantized_hits": sum(c["quantized"]["hit"] for c in rows),
+            }
+        )
+    return {
+        "lengths": list(lengths),
+        "depths": list(opts.niah_depths),
+        "cases": cases,
+        "by_length": by_length,
+        "source_rate": sum(c["source"]["hit"] for c in cases) / len(cases),
+        "quantized_rate": sum(c["quantized"]["hit"] for c in cases) / len(cases),
+    }
+
+
+def _run_generation(
+    ref_model: Any,
+    q_model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    opts: EvalOptions,
+    eos_id: int | None,
+    unk_id: int | None,
+    dev: torch.device,
+    progress: _Progress,
+) -> dict[str, Any] | None:
+    if opts.gen_tokens == 0 or not prompts:
+        return None
+    rows = []
+    with progress.phase("generation", len(prompts)) as step:
+        for prompt in prompts:
+            ids = torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long, device=dev)
+            row: dict[str, Any] = {"prompt": prompt}
+            for name, model in (("source", ref_model), ("quantized", q_model)):
+                g = gen.greedy(model, ids, opts.gen_tokens, opts.attention, eos_id)
+                row[name] = gen.check_continuation(g, unk_id) | {
+                    "text": tokenizer.decode(g.tokens, skip_special_tokens=False)
+                }
+            row["first_divergence"] = gen.first_divergence(row["source"]["tokens"], row["quantized"]["tokens"])
+            rows.append(row)
+            step()
+    return {
+        "max_new_tokens": opts.gen_tokens,
+        "prompts": rows,
+        "collapsed_source": sum(bool(r["source"]["collapse"]) for r in rows),
+        "collapsed_quantized": sum(bool(r["quantized"]["collapse"]) for r in rows),
+        "loops_source": sum(r["source"]["loop"] is not None for r in rows),
+        "loops_quantized": sum(r["quantized"]["loop"] is not None for r in rows),
+        "identical": sum(r["first_divergence"] is None for r in rows),
+    }

@@ -1,0 +1,174 @@
+"""Greedy continuations and what is checked on them.
+
+* **collapse**: the continuation is a flood of the unknown token (at least ``UNK_FRACTION`` of it) or holds a run
+  of one token repeated ``COLLAPSE_RUN`` times (the whole continuation when it is shorter);
+* **n-gram loop**: a stretch in which a block of ``p`` tokens (1 <= p <= ``LOOP_MAX_PERIOD``) repeats at least
+  ``LOOP_MIN_REPEATS`` times back to back, at least ``LOOP_MIN_TOKENS`` tokens long (the smallest such period is
+  reported);
+* **non-finite**: a NaN or Inf in any logit of the prefill or of a decode step;
+* **first divergence**: the first generated position where the quantized model's token differs from the source's.
+
+Decoding stops after the EOS token (which is kept) or ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COLLAPSE_RUN = 16
+UNK_FRACTION = 0.25
+LOOP_MAX_PERIOD = 16
+LOOP_MIN_REPEATS = 3
+LOOP_MIN_TOKENS = 8
+
+DEFAULT_PROMPTS = (
+    "It is a truth universally acknowledged, that",
+    "The old man looked out over the sea and",
+    "In the beginning",
+    "Here is a list of three colours: red,",
+    "Question: What is the capital of France?\nAnswer:",
+    "def add(a, b):\n",
+)
+
+
+@dataclass
+class Greedy:
+    tokens: list[int]  # generated tokens only
+    nonfinite_step: int | None  # 0: the prefill's logits; k: the k-th decode step; None: all finite
+
+
+@torch.no_grad()
+def greedy(
+    model: Any, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str, eos_id: int | None = None
+) -> Greedy:
+    """Greedy decoding with the model's cache (prefill once, one token per step), checking every logit. The
+    prefill computes the logits of the last position only (a 128K-token prompt would otherwise need
+    128K x vocab floats) and checks the final hidden states of all positions."""
+    from ..model.modeling import lm_logits
+
+    cache = model.new_cache()
+    normed = model.model(input_ids, cache=cache, attention_mode=attention_mode)
+    logits = lm_logits(model.config, model.lm_head, normed[:, -1:])
+    bad = None if bool(torch.isfinite(normed).all()) and bool(torch.isfinite(logits).all()) else 0
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1:].argmax(-1)
+        out.append(int(nxt))
+        if (eos_id is not None and out[-1] == eos_id) or step == max_new_tokens - 1:
+            break
+        logits = model(nxt, cache=cache, attention_mode=attention_mode).logits
+        if bad is None and not bool(torch.isfinite(logits).all()):
+            bad = step + 1
+    return Greedy(out, bad)
+
+
+def longest_run(tokens: list[int]) -> tuple[int | None, int]:
+    """(token, length) of the longest run of one repeated token; (None, 0) for an empty list."""
+    best: tuple[int | None, int] = (None, 0)
+    run = 0
+    for i, t in enumerate(tokens):
+        run = run + 1 if i > 0 and tokens[i - 1] == t else 1
+        if run > best[1]:
+            best = (t, run)
+    return best
+
+
+def collapse(tokens: list[int], unk_id: int | None, run: int = COLLAPSE_RUN, unk_fraction: float = UNK_FRACTION) -> str:
+    """Why the continuation counts as collapsed ("" when it does not)."""
+    if not tokens:
+        return ""
+    if unk_id is not None:
+        unk = sum(t == unk_id for t in tokens)
+        if unk >= unk_fraction * len(tokens):
+            return f"unknown token {unk_id} in {unk} of {len(tokens)} positions"
+    token, length = longest_run(tokens)
+    if len(tokens) >= 2 and length >= min(run, len(tokens)):
+        return f"token {token} repeated {length} times"
+    return ""
+
+
+@dataclass
+class Loop:
+    period: int
+    start: int  # index of the first token of the periodic stretch
+    length: int  # tokens in the stretch
+
+    def summary(self) -> dict[str, int]:
+        return {"period": self.period, "start": self.start, "length": self.length}
+
+
+def find_loop(
+    tokens: list[int],
+    max_period: int = LOOP_MAX_PERIOD,
+    min_repeats: int = LOOP_MIN_REPEATS,
+    min_tokens: int = LOOP_MIN_TOKENS,
+) -> Loop | None:
+    """The smallest period p whose stretch (``tokens[i] == tokens[i - p]`` throughout, plus its first block) is at
+    least ``min_repeats * p`` and ``min_tokens`` long; the longest such stretch for that period."""
+    n = len(tokens)
+    for p in range(1, max_period + 1):
+        best: Loop | None = None
+        matched = 0  # consecutive i with tokens[i] == tokens[i - p]
+        for i in range(p, n + 1):
+            if i < n and tokens[i] == tokens[i - p]:
+                matched += 1
+                continue
+            stretch = matched + p
+            if matched and stretch >= max(min_repeats * p, min_tokens) and (best is None or stretch > best.length):
+                best = Loop(period=p, start=i - stretch, length=stretch)
+            matched = 0
+        if best is not None:
+            return best
+    return None
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where the sequences differ (the shorter length when one is a prefix of the other)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_continuation(g: Greedy, unk_id: int | None) -> dict[str, Any]:
+    loop = find_loop(g.tokens)
+    return {
+        "tokens": g.tokens,
+        "collapse": collapse(g.tokens, unk_id),
+        "loop": loop.summary() if loop is not None else None,
+        "nonfinite_step": g.nonfinite_step,
+    }
+
+
+def load_prompts(path: Path, tokenizer: Any) -> list[str]:
+    """Prompts from a file: JSON Lines (``prompt``, else the text fields calibration reads) or plain text, one
+    prompt per non-empty line. Raises ``CalibrationError`` naming the file and line."""
+    from ..calibration import CalibrationError, record_text
+
+    if not path.is_file():
+        raise CalibrationError(f"--prompts {path}: no such file")
+    prompts: list[str] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix.lower() in (".jsonl", ".json"):
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise CalibrationError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            prompt = record.get("prompt")
+            prompts.append(prompt if isinstance(prompt, str) else record_text(record, tokenizer, None, where))
+    else:
+        prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise CalibrationError(f"--prompts {path}: no prompt in the file")
+    return prompts

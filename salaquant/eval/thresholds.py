@@ -1,0 +1,204 @@
+"""Gates on an eval result: each threshold given is checked and reported; any miss makes the run fail.
+
+| threshold | fails when |
+|---|---|
+| ``max_ppl_increase`` | ppl(quantized) / ppl(source) - 1 exceeds it (a fraction: 0.05 or "5%") |
+| ``max_kl`` | the mean KL(source || quantized) per token exceeds it (nats) |
+| ``min_top1`` | the top-1 agreement of next-token predictions is below it (0.9 or "90%") |
+| ``max_layer_error`` | some decoder layer's relative output error exceeds it |
+| ``max_niah_drop`` | the quantized model's NIAH exact-match rate is below the source's by more than it |
+| ``max_rerun_diff`` | two runs of the quantized model on the same window differ by more than it (abs. logit) |
+| ``no_collapse`` | the quantized model collapses where the source does not, or gives a NaN/Inf logit anywhere |
+| ``no_new_loops`` | a greedy continuation of the quantized model loops where the source's does not |
+
+Collapse: a greedy continuation flooded with the unknown token or holding one token repeated (see
+``generation``), or, on the held-out windows, the unknown token as top-1 prediction at >= 25% of positions.
+
+A NaN measurement fails every threshold on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .generation import UNK_FRACTION
+
+
+def parse_fraction(text: str | float, name: str) -> float:
+    """``"5%"`` -> 0.05, ``"0.05"`` -> 0.05; plain numbers must lie in [0, 1] (write ``150%`` for more)."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise ValueError(f"{name} {text!r}: expected a fraction such as 0.05 or a percentage such as 5%") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} {text!r}: must be a non-negative number")
+    if not raw.endswith("%") and value > 1:
+        raise ValueError(f"{name} {text!r}: a plain number is a fraction in [0, 1]; write {raw}% for a percentage")
+    return value
+
+
+def parse_non_negative(text: str | float, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} {text!r}: expected a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} {text!r}: must be a non-negative number")
+    return value
+
+
+@dataclass
+class Thresholds:
+    max_ppl_increase: float | None = None
+    max_kl: float | None = None
+    min_top1: float | None = None
+    max_layer_error: float | None = None
+    max_niah_drop: float | None = None
+    max_rerun_diff: float | None = None
+    no_collapse: bool = False
+    no_new_loops: bool = False
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+
+    def check(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        """One entry per threshold given: name, limit, measured value, passed, message."""
+        out: list[dict[str, Any]] = []
+        ppl = result.get("perplexity")
+
+        def add(name: str, limit: Any, value: Any, passed: bool, message: str) -> None:
+            out.append({"name": name, "limit": limit, "value": value, "passed": passed, "message": message})
+
+        def missing(name: str, limit: Any, what: str) -> None:
+            add(name, limit, None, False, f"{name}: {what} was not measured")
+
+        if self.max_ppl_increase is not None:
+            if ppl is None:
+                missing("max_ppl_increase", self.max_ppl_increase, "perplexity")
+            else:
+                v = ppl["ppl_increase"]
+                add(
+                    "max_ppl_increase",
+                    self.max_ppl_increase,
+                    v,
+                    _le(v, self.max_ppl_increase),
+                    f"ppl increase {_pct(v)} (limit {_pct(self.max_ppl_increase)})",
+                )
+        if self.max_kl is not None:
+            if ppl is None:
+                missing("max_kl", self.max_kl, "KL")
+            else:
+                v = ppl["kl"]
+                add("max_kl", self.max_kl, v, _le(v, self.max_kl), f"KL {v:.5f} per token (limit {self.max_kl:g})")
+        if self.min_top1 is not None:
+            if ppl is None:
+                missing("min_top1", self.min_top1, "top-1 agreement")
+            else:
+                v = ppl["top1"]
+                add(
+                    "min_top1",
+                    self.min_top1,
+                    v,
+                    _le(self.min_top1, v),
+                    f"top-1 agreement {_pct(v, sign=False)} (limit {_pct(self.min_top1, sign=False)})",
+                )
+        if self.max_layer_error is not None:
+            worst = (result.get("layers") or {}).get("worst")
+            if worst is None:
+                missing("max_layer_error", self.max_layer_error, "per-layer error")
+            else:
+                v = worst["rel_err"]
+                add(
+                    "max_layer_error",
+                    self.max_layer_error,
+                    v,
+                    _le(v, self.max_layer_error),
+                    f"worst layer {worst['name']} ({worst['kind']}) rel. error {v:.4g} "
+                    f"(limit {self.max_layer_error:g})",
+                )
+        if self.max_niah_drop is not None:
+            niah = result.get("niah")
+            if not niah or not niah.get("cases"):
+                missing("max_niah_drop", self.max_niah_drop, "NIAH")
+            else:
+                v = niah["source_rate"] - niah["quantized_rate"]
+                add(
+                    "max_niah_drop",
+                    self.max_niah_drop,
+                    v,
+                    _le(v, self.max_niah_drop),
+                    f"NIAH exact match {_pct(niah['source_rate'], sign=False)} -> "
+                    f"{_pct(niah['quantized_rate'], sign=False)} (largest drop allowed {_pct(self.max_niah_drop)})",
+                )
+        if self.max_rerun_diff is not None:
+            st = result.get("stability")
+            if st is None:
+                missing("max_rerun_diff", self.max_rerun_diff, "run-to-run stability")
+            else:
+                v = st["max_abs_logit_diff"]
+                add(
+                    "max_rerun_diff",
+                    self.max_rerun_diff,
+                    v,
+                    _le(v, self.max_rerun_diff),
+                    f"rerun max |logit difference| {v:.4g} (limit {self.max_rerun_diff:g})",
+                )
+        if self.no_collapse:
+            problems = collapse_problems(result)
+            add("no_collapse", True, len(problems), not problems, "; ".join(problems) or "no collapse, no NaN/Inf")
+        if self.no_new_loops:
+            gen = result.get("generation")
+            if not gen or not gen.get("prompts"):
+                missing("no_new_loops", True, "generation")
+            else:
+                new = [i for i, g in enumerate(gen["prompts"]) if g["quantized"]["loop"] and not g["source"]["loop"]]
+                msg = f"n-gram loops only in the quantized continuation of prompt(s) {new}" if new else "no new loops"
+                add("no_new_loops", True, len(new), not new, msg)
+        return out
+
+
+def collapse_problems(result: dict[str, Any]) -> list[str]:
+    """What ``no_collapse`` fails on, in words (empty: nothing)."""
+    problems: list[str] = []
+    ppl = result.get("perplexity")
+    if ppl is not None:
+        if ppl["nonfinite_positions_quantized"]:
+            problems.append(
+                f"NaN/Inf logits at {ppl['nonfinite_positions_quantized']} of {ppl['tokens']} window positions"
+            )
+        uq, us = ppl.get("unk_top1_fraction_quantized"), ppl.get("unk_top1_fraction_source")
+        if uq is not None and us is not None and uq >= UNK_FRACTION > us:
+            problems.append(
+                f"the unknown token is the top-1 prediction at {_pct(uq, sign=False)} of window positions "
+                f"(source {_pct(us, sign=False)})"
+            )
+    prompts = (result.get("generation") or {}).get("prompts", [])
+    collapsed = [i for i, g in enumerate(prompts) if g["quantized"]["collapse"] and not g["source"]["collapse"]]
+    if collapsed:
+        first = prompts[collapsed[0]]["quantized"]["collapse"]
+        problems.append(f"greedy output collapses on prompt(s) {collapsed} (prompt {collapsed[0]}: {first})")
+    nonfinite = [i for i, g in enumerate(prompts) if g["quantized"]["nonfinite_step"] is not None]
+    if nonfinite:
+        problems.append(f"NaN/Inf logits while generating for prompt(s) {nonfinite}")
+    cases = (result.get("niah") or {}).get("cases", [])
+    bad = sum(c["quantized"]["nonfinite_step"] is not None for c in cases)
+    if bad:
+        problems.append(f"NaN/Inf logits in {bad} of {len(cases)} NIAH case(s)")
+    return problems
+
+
+def _le(value: Any, limit: Any) -> bool:
+    """value <= limit, False when either is NaN or missing."""
+    try:
+        return bool(value <= limit)
+    except TypeError:
+        return False
+
+
+def _pct(x: float, sign: bool = True) -> str:
+    if x is None or not math.isfinite(x):
+        return str(x)
+    return f"{100 * x:+.2f}%" if sign else f"{100 * x:.2f}%"
