@@ -435,9 +435,9 @@ def generate(
     attention: Annotated[str, typer.Option(help="auto (dense below dense_len), dense or sparse.")] = "auto",
     device: Device = "auto",
     backend: Annotated[str, typer.Option(help="auto (Triton on CUDA), triton or reference.")] = "auto",
-    attention_kernels: Annotated[bool, typer.Option(help="Run GLA / sparse attention with the Triton kernels.")] = (
-        False
-    ),
+    attention_kernels: Annotated[
+        bool, typer.Option(help="Run GLA / sparse attention with salaquant.kernels (Triton on CUDA).")
+    ] = True,
 ) -> None:
     """Greedy completion with the runtime: a quick check that a checkpoint loads and talks."""
     import time

@@ -52,8 +52,8 @@ def load(
 
     Quantized linears become ``GPTQLinear`` / ``NVFP4Linear`` modules holding the packed tensors; every other
     tensor is loaded as stored (cast to ``dtype``). With ``kernels`` the GLA and sparse-attention calls go
-    through ``salaquant.kernels`` too (off by default until those kernels are validated on GPUs; the PyTorch
-    references run on any device).
+    through ``salaquant.kernels`` too (Triton on CUDA tensors, the PyTorch references elsewhere; both pass
+    the same tests); ``kernels=False`` keeps the model's own PyTorch attention code.
     """
     reader = CheckpointReader(path)
     config = SalaConfig.from_dict(reader.config())
