@@ -579,6 +579,29 @@ def eval_command(
 
 
 @app.command()
+def demo(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the checkpoints and demo.json.")] = Path(
+        "salaquant-demo"
+    ),
+    quick: Annotated[
+        bool, typer.Option(help="Less calibration and evaluation (a smoke run of a few minutes).")
+    ] = False,
+    model: Annotated[Path | None, typer.Option(help="A bf16 SALA checkpoint (default: the shipped sala-tiny).")] = None,
+    calib: Annotated[Path | None, typer.Option(help="Calibration JSONL (default: the shipped sample).")] = None,
+    device: Device = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Write into a non-empty folder the demo did not create.")] = False,
+) -> None:
+    """Quantize the shipped tiny model with GPTQ W4A16 and NVFP4 (default, dense-all) and score each against bf16."""
+    from .calibration import CalibrationError
+    from .demo import DemoError, run_demo
+
+    try:
+        run_demo(out, console, quick=quick, model=model, calib=calib, device=device, overwrite=overwrite)
+    except (DemoError, CalibrationError, ConfigError, CheckpointError, OSError) as exc:
+        fail(str(exc))
+
+
+@app.command()
 def check(
     model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,

@@ -1,0 +1,453 @@
+"""Peer runner: llm-compressor's GPTQ W4A16 (optionally after SmoothQuant) on a SALA checkpoint, on CPU.
+
+Runs inside the virtual environment made by ``benchmarks/peers/setup_llmcompressor.sh``::
+
+    python benchmarks/peers/llmcompressor_gptq.py --model models/sala-tiny \\
+        --calib calib/sala-tiny-calib.jsonl --max-samples 32 --max-len 2048 --out OUT [--smoothquant]
+
+The model is loaded with ``AutoModelForCausalLM`` (after ``import salaquant.model.hf``), the calibration
+samples are the token sequences ``salaquant.calibration.load_calibration`` gives (so both tools see the
+same tokens), and ``oneshot`` runs ``GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])``,
+preceded with ``--smoothquant`` by a ``SmoothQuantModifier`` (default strength) with explicit SALA
+mappings. OUT then holds a plain bf16 checkpoint that salaquant reads: ``config.json`` and the tokenizer
+files copied from the source, and ``model.safetensors`` with every tensor of the source under the same
+name, each quantized linear's weight replaced by the weight llm-compressor's quantized module computes
+with (its fake-quantized weight). ``OUT/peer.json`` records the run, or on failure the exception, the
+step and the llm-compressor / compressed-tensors frame where it happened (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as metadata
+import json
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEME = "W4A16"
+GROUP_SIZE = 128
+MAX_LEVELS = 16  # int4
+IGNORE = ["lm_head"]
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
+# Module frames of these packages are the ones "where" points at on failure.
+PEER_PACKAGES = ("llmcompressor", "compressed_tensors", "transformers", "salaquant")
+
+# SmoothQuant mappings for SALA: each entry is (balance layers, smooth layer). The output of
+# input_layernorm feeds q/k/v and the output gate (o_gate in minicpm4 layers, z_proj in lightning
+# layers); llm-compressor's default mappings list only q/k/v, which would leave the gate reading the
+# smoothed activations with unscaled weights, so the gate is listed here too. post_attention_layernorm
+# feeds gate_proj and up_proj.
+SALA_SMOOTHQUANT_MAPPINGS: list[list[Any]] = [
+    [
+        [
+            "re:.*self_attn\\.q_proj$",
+            "re:.*self_attn\\.k_proj$",
+            "re:.*self_attn\\.v_proj$",
+            "re:.*self_attn\\.(o_gate|z_proj)$",
+        ],
+        "re:.*input_layernorm$",
+    ],
+    [["re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"], "re:.*post_attention_layernorm$"],
+]
+
+
+class Step:
+    """The step in progress, named in the failure record."""
+
+    def __init__(self) -> None:
+        self.name = "start"
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.name = name
+        yield
+
+
+def version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="source SALA checkpoint folder (bf16)")
+    ap.add_argument("--calib", type=str, required=True, help="calibration source (as salaquant --calib)")
+    ap.add_argument("--max-samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoothquant", action="store_true", help="run SmoothQuantModifier before GPTQ")
+    ap.add_argument(
+        "--pipeline",
+        choices=("sequential", "basic"),
+        default="sequential",
+        help="llm-compressor calibration pipeline: 'sequential' (one oneshot; every modifier gets its own "
+        "layer-by-layer pass) or 'basic' (whole-model passes; one oneshot per modifier)",
+    )
+    ap.add_argument(
+        "--attention-mode",
+        choices=("dense", "auto", "sparse"),
+        default="dense",
+        help="attention of the minicpm4 layers during calibration (salaquant calibrates with dense)",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument(
+        "--ignore",
+        nargs="*",
+        default=[],
+        help="module-name regexes kept in bf16 (besides lm_head), e.g. to match the linears another tool keeps",
+    )
+    return ap.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------- steps
+
+
+def load_hf_model(path: Path, attention_mode: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    import salaquant.model.hf  # noqa: F401  (registers model_type minicpm_sala)
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.eval()
+    model.attention_mode = attention_mode
+    return model
+
+
+def calibration_dataset(model_path: Path, calib: str, max_samples: int, max_len: int) -> tuple[Any, Any, dict]:
+    """The tokenizer, a ``datasets.Dataset`` with one ``input_ids`` row per salaquant calibration sample,
+    and the salaquant summary (samples, tokens, fingerprint)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from salaquant.calibration import CalibOptions, load_calibration
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    data = load_calibration([calib], tokenizer, CalibOptions(max_samples=max_samples, max_len=max_len))
+    rows = [s.ids.tolist() for s in data]
+    dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+    summary = data.summary()
+    info = {
+        "samples": summary["samples"],
+        "tokens": summary["tokens"],
+        "min_len": summary["min_len"],
+        "max_len": summary["max_len"],
+        "fingerprint": data.fingerprint(),
+    }
+    return tokenizer, dataset, info
+
+
+def gptq_modifier(ignore: list[str]) -> Any:
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    return GPTQModifier(targets="Linear", scheme=SCHEME, ignore=list(IGNORE) + [f"re:{r}" for r in ignore])
+
+
+def smoothquant_modifier() -> Any:
+    from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+    return SmoothQuantModifier(mappings=SALA_SMOOTHQUANT_MAPPINGS)
+
+
+def run_oneshot(model: Any, tokenizer: Any, dataset: Any, recipe: list[Any], pipeline: str, max_len: int) -> Any:
+    from llmcompressor import oneshot
+
+    return oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(dataset),
+        max_seq_length=max_len,
+        shuffle_calibration_samples=False,
+        batch_size=1,
+        pipeline=pipeline,
+    )
+
+
+def quantized_linears(model: Any) -> dict[str, torch.nn.Module]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and getattr(module, "quantization_scheme", None) is not None
+    }
+
+
+def dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight the quantized module computes with: compressed-tensors' fake quantization of the stored
+    weight with the module's ``weight_scale`` / ``weight_zero_point`` (or the decoded packed weight)."""
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, forward_quantize
+
+    args = module.quantization_scheme.weights
+    status = module.quantization_status
+    packed = getattr(module, "weight_packed", None)
+    if packed is not None:
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        shape = torch.Size(module.weight_shape.tolist())
+        q = unpack_from_int32(packed, args.num_bits, shape)
+        return dequantize(q, module.weight_scale, getattr(module, "weight_zero_point", None), args).float()
+    weight = module.weight.data
+    if status >= QuantizationStatus.COMPRESSED:
+        return weight.float()
+    return forward_quantize(module, weight, "weight", args).float()
+
+
+def levels_per_group(w: torch.Tensor, group_size: int) -> int:
+    """The largest number of distinct values in one row over one group of ``group_size`` inputs."""
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // group_size, group_size)
+    ordered = groups.sort(dim=-1).values
+    return int(((ordered[..., 1:] != ordered[..., :-1]).sum(-1) + 1).max())
+
+
+def smoothing_factors(source: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], linear: str):
+    """Per-input-channel factor the smoothing multiplied ``linear``'s weight by (None when not smoothed):
+    the ratio of the source norm weight to the smoothed one, for the linears read after a norm."""
+    parent, _, leaf = linear.rpartition(".")
+    layer = parent.rpartition(".")[0]
+    if leaf in ("q_proj", "k_proj", "v_proj", "o_gate", "z_proj"):
+        norm = f"{layer}.input_layernorm.weight"
+    elif leaf in ("gate_proj", "up_proj"):
+        norm = f"{layer}.post_attention_layernorm.weight"
+    else:
+        return None
+    if norm not in source or norm not in model_state:
+        return None
+    return source[norm].float() / model_state[norm].float()
+
+
+def export(
+    model: Any, source_dir: Path, out: Path, smoothquant: bool
+) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
+    """Write config, tokenizer and ``model.safetensors`` (source names, bf16); return the check figures,
+    the names of the source linears kept in bf16 and the written tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    quantized = quantized_linears(model)
+    if not quantized:
+        raise RuntimeError("oneshot left no module with a quantization_scheme: nothing was quantized")
+    with safe_open(str(source_dir / "model.safetensors"), framework="pt") as f:
+        source = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+
+    tensors: dict[str, torch.Tensor] = {}
+    per_module: dict[str, dict[str, float]] = {}
+    max_levels = 0
+    for name, ref in source.items():
+        module_name = name.removesuffix(".weight")
+        if name.endswith(".weight") and module_name in quantized:
+            w = dequantized_weight(quantized[module_name])
+            if tuple(w.shape) != tuple(ref.shape):
+                raise RuntimeError(f"{module_name}: dequantized weight {list(w.shape)} != source {list(ref.shape)}")
+            levels = levels_per_group(w, GROUP_SIZE)
+            max_levels = max(max_levels, levels)
+            basis = ref.float()
+            factors = smoothing_factors(source, state, module_name) if smoothquant else None
+            if factors is not None:
+                basis = basis * factors[None, :]
+            err = float((w - basis).norm() / basis.norm().clamp_min(1e-12))
+            stored = quantized[module_name].weight.data.float()
+            per_module[module_name] = {
+                "levels": levels,
+                "rel_error": err,
+                "stored_vs_dequantized_max_abs": float((stored - w).abs().max()),
+            }
+            tensors[name] = w.to(ref.dtype).contiguous()
+        else:
+            if name not in state:
+                raise RuntimeError(f"source tensor {name} has no counterpart in the oneshot model's state dict")
+            t = state[name]
+            if tuple(t.shape) != tuple(ref.shape):
+                raise RuntimeError(f"{name}: model tensor {list(t.shape)} != source {list(ref.shape)}")
+            tensors[name] = t.to(ref.dtype).clone().contiguous()
+    missing = sorted(set(quantized) - {n.removesuffix(".weight") for n in source})
+    if missing:
+        raise RuntimeError(f"quantized modules with no weight in the source checkpoint: {missing}")
+    if max_levels > MAX_LEVELS:
+        worst = max(per_module, key=lambda n: per_module[n]["levels"])
+        raise RuntimeError(f"{worst}: {max_levels} distinct values in a group of {GROUP_SIZE} (int4 allows 16)")
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for fname in TOKENIZER_FILES:
+        if (source_dir / fname).is_file():
+            shutil.copy2(source_dir / fname, out / fname)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+
+    kept = sorted(
+        n.removesuffix(".weight")
+        for n in source
+        if n.endswith(".weight")
+        and isinstance(_module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
+        and n.removesuffix(".weight") not in quantized
+    )
+    errors = [m["rel_error"] for m in per_module.values()]
+    checks = {
+        "quantized_linears": len(quantized),
+        "max_levels_per_group": max_levels,
+        "weight_rel_error_mean": sum(errors) / len(errors),
+        "weight_rel_error_max": max(errors),
+        "stored_vs_dequantized_max_abs": max(m["stored_vs_dequantized_max_abs"] for m in per_module.values()),
+        "per_module": per_module,
+    }
+    return checks, kept, tensors
+
+
+def _module_or_none(model: Any, name: str) -> torch.nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+@torch.no_grad()
+def forward_check(model: Any, out: Path, ids: torch.Tensor, attention_mode: str) -> float:
+    """Largest |logit| difference between llm-compressor's in-memory quantized model and the written
+    checkpoint loaded back with ``AutoModelForCausalLM``, on one calibration prefix."""
+    written = load_hf_model(out, attention_mode)
+    a = model(ids[None], attention_mode=attention_mode).logits.float()
+    b = written(ids[None], attention_mode=attention_mode).logits.float()
+    return float((a - b).abs().max())
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def failure_record(exc: BaseException, step: str) -> dict[str, Any]:
+    frames = traceback.extract_tb(exc.__traceback__)
+    peer = [f for f in frames if any(f"/{p}/" in f.filename for p in PEER_PACKAGES[:3])]
+    frame = peer[-1] if peer else (frames[-1] if frames else None)
+    where = step
+    if frame is not None:
+        where += f": {frame.name} ({_short_path(frame.filename)}:{frame.lineno})"
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {
+        "tool": "llm-compressor",
+        "version": version("llmcompressor"),
+        "error": f"{type(exc).__name__}: {exc}",
+        "where": where,
+        "traceback_tail": tail[-6000:],
+    }
+
+
+def _short_path(filename: str) -> str:
+    if "site-packages/" in filename:
+        return filename.split("site-packages/", 1)[1]
+    if "/salaquant/" in filename:
+        return "salaquant/" + filename.split("/salaquant/", 1)[1]
+    return filename
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    step = Step()
+    t_start = time.perf_counter()
+    notes: list[str] = []
+    try:
+        with step("import llmcompressor"):
+            import llmcompressor  # noqa: F401
+
+        with step("load model (AutoModelForCausalLM)"):
+            model = load_hf_model(args.model, args.attention_mode)
+            notes.append(
+                f"model.attention_mode = {args.attention_mode!r} during calibration (salaquant's calibration mode)"
+            )
+
+        with step("calibration data (salaquant.calibration.load_calibration)"):
+            tokenizer, dataset, calib_info = calibration_dataset(args.model, args.calib, args.max_samples, args.max_len)
+
+        recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + ["GPTQModifier"]
+        with step(f"oneshot ({' + '.join(recipe_names)}, pipeline {args.pipeline})"):
+            t0 = time.perf_counter()
+            if args.pipeline == "sequential":
+                # llm-compressor's "independent" pipeline gives each modifier its own sequential pass, so the
+                # GPTQ Hessians are collected on the already smoothed model.
+                recipe = ([smoothquant_modifier()] if args.smoothquant else []) + [gptq_modifier(args.ignore)]
+                model = run_oneshot(model, tokenizer, dataset, recipe, "independent", args.max_len)
+                pipeline = "independent (sequential per modifier)" if args.smoothquant else "sequential"
+            else:
+                if args.smoothquant:
+                    model = run_oneshot(model, tokenizer, dataset, [smoothquant_modifier()], "basic", args.max_len)
+                model = run_oneshot(model, tokenizer, dataset, [gptq_modifier(args.ignore)], "basic", args.max_len)
+                pipeline = "basic"
+            oneshot_s = time.perf_counter() - t0
+
+        with step("export (dequantize and write model.safetensors)"):
+            checks, kept, _ = export(model, args.model, args.out, args.smoothquant)
+
+        with step("forward check (in-memory quantized model vs written checkpoint)"):
+            probe = torch.tensor(dataset[0]["input_ids"][:256], dtype=torch.int64)
+            logit_diff = forward_check(model, args.out, probe, args.attention_mode)
+            notes.append(
+                f"max |logit| difference, llm-compressor's in-memory model vs the written checkpoint "
+                f"(first calibration sample, 256 tokens): {logit_diff:.3g}"
+            )
+
+        if args.smoothquant:
+            notes.append(
+                "SmoothQuant mappings given explicitly: input_layernorm -> q/k/v + o_gate|z_proj, "
+                "post_attention_layernorm -> gate/up (llm-compressor has no mappings for this architecture and "
+                "its default ones omit the output gates); weight error measured against the smoothed source weight"
+            )
+        notes.append(
+            f"calibration: {calib_info['samples']} samples, {calib_info['tokens']} tokens, "
+            f"fingerprint {calib_info['fingerprint'][:16]}"
+        )
+        per_module = checks.pop("per_module")
+        record = {
+            "tool": "llm-compressor",
+            "version": version("llmcompressor"),
+            "compressed_tensors": version("compressed-tensors"),
+            "transformers": version("transformers"),
+            "torch": version("torch"),
+            "scheme": f"{SCHEME} (int4 symmetric, group {GROUP_SIZE}, GPTQModifier defaults otherwise)",
+            "smoothquant": bool(args.smoothquant),
+            "pipeline": pipeline,
+            "seconds": round(oneshot_s, 1),
+            "total_seconds": round(time.perf_counter() - t_start, 1),
+            "quantized_linears": checks.pop("quantized_linears"),
+            "kept_bf16": kept,
+            "max_levels_per_group": checks.pop("max_levels_per_group"),
+            **checks,
+            "calibration": calib_info,
+            "forward_check_max_abs_logit_diff": logit_diff,
+            "notes": notes,
+            "per_module": per_module,
+        }
+        (args.out / "peer.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "per_module"}, indent=2))
+        return 0
+    except Exception as exc:
+        record = failure_record(exc, step.name)
+        (args.out / "peer.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(record["traceback_tail"], file=sys.stderr)
+        print(f"llm-compressor peer failed in {record['where']}: {record['error']}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Quality of salaquant's quantizers against the tools users would otherwise pick, on the shipped tiny model.
+
+Same model (``models/sala-tiny``), same calibration token sequences (the shipped set through
+``salaquant.calibration``), same held-out windows (the shipped sample, dense attention, CPU), one table:
+perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreement for
+
+* RTN W4 g128 symmetric (the baseline), salaquant GPTQ W4A16 with and without SmoothQuant (and with MSE scales);
+* salaquant NVFP4 default exclusions and dense-all, each with plain block scales and with the block-scale search;
+* ModelOpt NVFP4 fake-quant (``modelopt.torch.quantization``) on the same torch model, weight-only like the
+  exports above (``W4A16_NVFP4_CFG``, and ``NVFP4_AWQ_LITE_CFG`` with its input quantizers off), with exactly
+  the linears salaquant's NVFP4 export quantizes;
+* llm-compressor GPTQ W4A16 (with and without its SmoothQuant) and GPTQModel GPTQ W4A16, each run in its own
+  virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``) and told to keep the
+  linears salaquant's GPTQ export keeps in bf16 (``--ignore``); a peer that fails is recorded with its error
+  and where it happened.
+
+Every export is read back by ``salaquant.model.loading.load_model`` (weights dequantized) and scored with
+``salaquant.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
+short samples (seconds; what the tests run).
+
+  python benchmarks/quality.py --out OUT [--llmc-venv /tmp/venv-llmc] [--gptqmodel-venv /tmp/venv-gptqmodel]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from salaquant.calibration import CalibOptions, load_calibration
+from salaquant.eval.data import load_eval_text
+from salaquant.model.checkpoint import CheckpointReader
+from salaquant.model.loading import load_model
+from salaquant.model.tiny import preset_config, write_random_checkpoint
+from salaquant.perplexity import compare_models, windows
+from salaquant.workflow import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "sala-tiny"
+CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
+
+
+def _quiet() -> Console:
+    return Console(file=open(os.devnull, "w"))  # one per export, closed with the process
+
+
+def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str, Callable[[Path], object]]]:
+    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.gptq.layer import GPTQLayerOptions
+    from salaquant.gptq.plan import BitsOptions
+    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.layer import NVFP4LayerOptions
+
+    def gptq(opts: GPTQLayerOptions) -> Callable[[Path], object]:
+        run = RunOptions(device="cpu", show_progress=False, overwrite=True)
+        return lambda out: run_gptq(model, out, [str(CALIB)], calib, BitsOptions(), opts, run, _quiet())
+
+    def nvfp4(opts: NVFP4LayerOptions, dense_all: bool) -> Callable[[Path], object]:
+        run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
+        return lambda out: run_nvfp4(model, out, [str(CALIB)], calib, opts, run, _quiet())
+
+    return [
+        ("RTN W4 g128 (baseline)", "rtn", gptq(GPTQLayerOptions(method="rtn", smooth_alpha=None))),
+        ("salaquant GPTQ W4A16, no smoothing", "gptq-nosmooth", gptq(GPTQLayerOptions(smooth_alpha=None))),
+        ("salaquant GPTQ W4A16 (SmoothQuant, default)", "gptq", gptq(GPTQLayerOptions())),
+        ("salaquant GPTQ W4A16 (SmoothQuant, MSE scales)", "gptq-mse", gptq(GPTQLayerOptions(mse=True))),
+        ("salaquant NVFP4 default, plain scales", "nvfp4-plain", nvfp4(NVFP4LayerOptions(mse_iters=0), False)),
+        ("salaquant NVFP4 default (search)", "nvfp4", nvfp4(NVFP4LayerOptions(), False)),
+        ("salaquant NVFP4 dense-all, plain scales", "nvfp4-da-plain", nvfp4(NVFP4LayerOptions(mse_iters=0), True)),
+        ("salaquant NVFP4 dense-all (search)", "nvfp4-da", nvfp4(NVFP4LayerOptions(), True)),
+    ]
+
+
+def nvfp4_quantized_linears(export: Path) -> set[str]:
+    """Module names an NVFP4 export quantized (those with a block-scale tensor)."""
+    reader = CheckpointReader(export)
+    return {name.removesuffix(".weight_scale") for name in reader if name.endswith(".weight_scale")}
+
+
+def gptq_linears(export: Path) -> tuple[set[str], list[str]]:
+    """Module names a GPTQ export quantized, and the regexes of the linears its config keeps in 16 bits."""
+    reader = CheckpointReader(export)
+    quantized = {name.removesuffix(".qweight") for name in reader if name.endswith(".qweight")}
+    dynamic = (reader.config().get("quantization_config") or {}).get("dynamic") or {}
+    return quantized, [key[2:] for key in dynamic if key.startswith("-:")]
+
+
+def _modelopt_on_cpu() -> str | None:
+    """ModelOpt's NVFP4 fake-quant op runs only on CUDA (a Triton kernel or its CUDA extension; on a CPU tensor it
+    fails with ``amax must be a CUDA tensor for dynamic block quantization``). On CPU tensors this routes the op
+    through ModelOpt's own ``NVFP4QTensor`` quantize and dequantize (its pure-torch path, the numerics salaquant's
+    export is tested bit-identical against), with the global scale ModelOpt derives from the same amax.
+    Returns a note when the emulation is installed."""
+    import modelopt.torch.quantization.nn.modules.tensor_quantizer as tq
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    original = tq.dynamic_block_quant
+    if getattr(original, "_salaquant_cpu", False):
+        return "NVFP4 fake quant on CPU through ModelOpt's NVFP4QTensor"
+
+    def dynamic_block_quant(inputs: torch.Tensor, block_size: int, amax: torch.Tensor | None, *rest: Any) -> Any:
+        num_bits, scale_bits = rest[1], rest[2]
+        if inputs.is_cuda or amax is None or tuple(num_bits) != (2, 1) or tuple(scale_bits or ()) != (4, 3):
+            return original(inputs, block_size, amax, *rest)
+        s2 = amax.float().amax() / (6.0 * 448.0)
+        q, scale, s2 = NVFP4QTensor.quantize(inputs.float(), block_size, weights_scaling_factor_2=s2)
+        out = q.dequantize(dtype=torch.float32, scale=scale, double_scale=s2, block_sizes={-1: block_size})
+        return out.to(inputs.dtype)
+
+    dynamic_block_quant._salaquant_cpu = True  # type: ignore[attr-defined]
+    tq.dynamic_block_quant = dynamic_block_quant
+    return "NVFP4 fake quant on CPU through ModelOpt's NVFP4QTensor"
+
+
+def modelopt_nvfp4(
+    model: Path, samples: list[torch.Tensor], quantized: set[str], awq_lite: bool
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """ModelOpt's weight-only NVFP4 fake quantization of the same linears, calibrated on the same samples."""
+    import copy
+
+    import modelopt
+    import modelopt.torch.quantization as mtq
+
+    note = _modelopt_on_cpu()
+
+    net = load_model(model).float()  # fp32 master weights: the fake-quant error is then ModelOpt's alone
+    cfg = copy.deepcopy(mtq.NVFP4_AWQ_LITE_CFG if awq_lite else mtq.W4A16_NVFP4_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    linears = {n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name in sorted(linears - quantized):
+        cfg["quant_cfg"].append({"quantizer_name": f"{name}.*", "enable": False})
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for ids in samples:
+                m(ids[None], attention_mode="dense")
+
+    t0 = time.perf_counter()
+    net = mtq.quantize(net, cfg, forward_loop)
+    enabled = sorted(
+        n.removesuffix(".weight_quantizer")
+        for n, m in net.named_modules()
+        if n.endswith(".weight_quantizer") and getattr(m, "is_enabled", False)
+    )
+    info = {
+        "modelopt": modelopt.__version__,
+        "config": "NVFP4_AWQ_LITE_CFG" if awq_lite else "W4A16_NVFP4_CFG",
+        "input_quantizers": "off (weight-only)",
+        "quantized_linears": len(enabled),
+        "same_linears_as_salaquant": set(enabled) == quantized,
+        "quantize_s": round(time.perf_counter() - t0, 1),
+        "note": note,
+    }
+    return net.eval(), info
+
+
+def run_peer(script: str, venv: Path | None, args: list[str], out: Path, setup: str) -> dict[str, Any]:
+    """Run ``benchmarks/peers/<script>`` in ``venv``; its ``peer.json`` (or why it did not run)."""
+    if venv is None:
+        return {"error": f"not run: no virtual environment given (create one with benchmarks/peers/{setup})"}
+    python = venv / "bin" / "python"
+    cmd = [str(python), str(ROOT / "benchmarks" / "peers" / script), *args, "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True)  # peers may write logs to cwd
+    info: dict[str, Any] = {"command": " ".join(cmd), "wall_s": round(time.perf_counter() - t0, 1)}
+    peer_json = out / "peer.json"
+    if peer_json.exists():
+        info.update(json.loads(peer_json.read_text()))
+    if proc.returncode != 0:
+        info.setdefault("error", f"exit status {proc.returncode}")
+        info["stderr_tail"] = proc.stderr[-1500:]
+    return info
+
+
+def _score(reference: torch.nn.Module, model: torch.nn.Module, wins: list[torch.Tensor]) -> dict[str, float]:
+    with torch.no_grad():
+        return compare_models(reference, model, wins)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--max-samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window-len", type=int, default=1024)
+    ap.add_argument("--llmc-venv", type=Path)
+    ap.add_argument("--gptqmodel-venv", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    console = Console()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = MODEL
+    if args.smoke:
+        model = args.out / "random-tiny"
+        if not (model / "config.json").exists():
+            write_random_checkpoint(model, preset_config("tiny", vocab_size=4096), seed=0)
+            for f in MODEL.glob("tokenizer*"):
+                (model / f.name).write_bytes(f.read_bytes())
+            for f in ("special_tokens_map.json",):
+                if (MODEL / f).exists():
+                    (model / f).write_bytes((MODEL / f).read_bytes())
+        args.max_samples, args.max_len, args.windows, args.window_len = 4, 256, 2, 256
+    tok = load_tokenizer(model)
+    wins = windows(load_eval_text(None, tok, tok.eos_token_id).tokens, args.window_len, args.windows)
+    calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len)
+    samples = [s.ids for s in load_calibration([str(CALIB)], tok, calib).samples]
+    reference = load_model(model)
+    rows: list[dict[str, Any]] = [{"variant": "bf16", "tool": "-", **_score(reference, reference, wins)}]
+
+    def record(name: str, tool: str, build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            net, info = build()
+            rows.append({"variant": name, "tool": tool, **_score(reference, net, wins), **info})
+        except Exception as exc:  # a failing variant is a result: recorded with where it failed
+            tb = traceback.extract_tb(exc.__traceback__)
+            where = f"{tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name}" if tb else "?"
+            rows.append({"variant": name, "tool": tool, "error": f"{type(exc).__name__}: {exc}"[:500], "where": where})
+        rows[-1]["seconds"] = round(time.perf_counter() - t0, 1)
+        r = rows[-1]
+        done = f"ppl {r['ppl']:.3f}, KL {r['kl']:.4f}" if "ppl" in r else f"failed: {r['error']}"
+        console.print(f"{name}: {done} ({r['seconds']} s)")
+
+    for name, folder, quantize in salaquant_variants(model, calib):
+        path = args.out / folder
+
+        def build(quantize: Callable[[Path], object] = quantize, path: Path = path) -> tuple[torch.nn.Module, dict]:
+            quantize(path)
+            return load_model(path), {"path": str(path)}
+
+        record(name, "salaquant", build)
+
+    for exclusions, export in (("default", "nvfp4"), ("dense-all", "nvfp4-da")):
+        quantized = nvfp4_quantized_linears(args.out / export)
+        for awq in (False, True):
+            label = f"ModelOpt NVFP4 {'AWQ-lite' if awq else 'default'}, {exclusions} exclusions"
+            record(label, "ModelOpt", lambda q=quantized, a=awq: modelopt_nvfp4(model, samples, q, a))
+
+    # The peers keep the same linears in bf16 as salaquant's GPTQ export (the ones gptq_marlin cannot serve).
+    ours_gptq, kept_regexes = gptq_linears(args.out / "gptq")
+    peer_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
+    peer_args += ["--max-len", str(args.max_len)] + (["--ignore", *kept_regexes] if kept_regexes else [])
+    peers = [
+        ("llm-compressor GPTQ W4A16", "llmcompressor_gptq.py", args.llmc_venv, [], "setup_llmcompressor.sh", "llmc"),
+        (
+            "llm-compressor GPTQ W4A16 + SmoothQuant",
+            "llmcompressor_gptq.py",
+            args.llmc_venv,
+            ["--smoothquant"],
+            "setup_llmcompressor.sh",
+            "llmc-sq",
+        ),
+        ("GPTQModel GPTQ W4A16", "gptqmodel_gptq.py", args.gptqmodel_venv, [], "setup_gptqmodel.sh", "gptqmodel"),
+    ]
+    for label, script, venv, extra, setup, folder in peers:
+        out = args.out / f"peer-{folder}"
+        tool = label.split(" GPTQ")[0]
+
+        def build_peer(script=script, venv=venv, extra=extra, setup=setup, out=out) -> tuple[torch.nn.Module, dict]:
+            info = run_peer(script, venv, peer_args + extra, out, setup)
+            if "error" in info:
+                raise RuntimeError(json.dumps({k: info[k] for k in ("error", "where") if k in info}))
+            info["same_linears_as_salaquant"] = info.get("quantized_linears") == len(ours_gptq)
+            return load_model(out), info
+
+        record(label, tool, build_peer)
+
+    base = rows[0]["ppl"]
+    for r in rows:
+        if "ppl" in r:
+            r["ppl_increase"] = r["ppl"] / base - 1
+    result = {
+        "model": "random tiny (smoke)" if args.smoke else str(model.relative_to(ROOT)),
+        "calibration": {"source": str(CALIB.relative_to(ROOT)), "samples": len(samples), "max_len": args.max_len},
+        "eval": {"windows": len(wins), "window_tokens": args.window_len, "attention": "dense", "device": "cpu"},
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "rows": rows,
+        "targets": targets(rows),
+    }
+    (args.out / "quality.json").write_text(json.dumps(result, indent=2))
+    console.print(table(result))
+    for line in result["targets"]:
+        console.print(line)
+
+
+def _inc(rows: list[dict[str, Any]], name: str) -> float | None:
+    for r in rows:
+        if r["variant"] == name and "ppl_increase" in r:
+            return float(r["ppl_increase"])
+    return None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The comparisons the benchmark exists for, stated with the measured figures."""
+    out = []
+    ours = _inc(rows, "salaquant GPTQ W4A16 (SmoothQuant, default)")
+    rtn = _inc(rows, "RTN W4 g128 (baseline)")
+    if ours is not None and rtn is not None:
+        verdict = "met" if ours <= 0.5 * rtn else "missed"
+        out.append(f"GPTQ ppl increase {100 * ours:.2f}% vs 50% of RTN's {100 * rtn:.2f}%: {verdict}")
+    for peer in ("llm-compressor GPTQ W4A16", "llm-compressor GPTQ W4A16 + SmoothQuant", "GPTQModel GPTQ W4A16"):
+        theirs = _inc(rows, peer)
+        if ours is not None and theirs is not None:
+            out.append(f"GPTQ {100 * ours:.2f}% vs {peer} {100 * theirs:.2f}%: {'met' if ours < theirs else 'missed'}")
+        elif ours is not None:
+            out.append(f"GPTQ vs {peer}: peer did not run (see its row)")
+    for exclusions, ours_name in (
+        ("default", "salaquant NVFP4 default (search)"),
+        ("dense-all", "salaquant NVFP4 dense-all (search)"),
+    ):
+        mine = _inc(rows, ours_name)
+        for cfg in ("default", "AWQ-lite"):
+            theirs = _inc(rows, f"ModelOpt NVFP4 {cfg}, {exclusions} exclusions")
+            if mine is not None and theirs is not None:
+                verdict = "met" if mine < theirs else "missed"
+                out.append(f"NVFP4 {exclusions} {100 * mine:.2f}% vs ModelOpt {cfg} {100 * theirs:.2f}%: {verdict}")
+    return out
+
+
+def table(result: dict[str, Any]) -> Table:
+    ev = result["eval"]
+    t = Table(title=f"{result['model']}: held-out {ev['windows']} x {ev['window_tokens']} tokens, dense, CPU")
+    for col in ("variant", "ppl", "ppl increase", "KL(bf16||q)", "top-1 agree", "note"):
+        t.add_column(col, justify="left" if col in ("variant", "note") else "right")
+    for r in result["rows"]:
+        if "ppl" not in r:
+            t.add_row(r["variant"], "-", "-", "-", "-", f"did not run: {r['error'][:160]}")
+            continue
+        note = "" if r.get("same_linears_as_salaquant", True) else "different linears quantized"
+        t.add_row(
+            r["variant"],
+            f"{r['ppl']:.3f}",
+            f"{100 * r['ppl_increase']:+.2f}%",
+            f"{r['kl']:.4f}",
+            f"{100 * r['top1']:.2f}%",
+            note,
+        )
+    return t
+
+
+if __name__ == "__main__":
+    main()

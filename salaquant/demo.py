@@ -1,0 +1,231 @@
+"""``salaquant demo``: the shipped tiny model through every shipped quantizer, then scored against bf16.
+
+Quantizes ``models/sala-tiny`` with the shipped calibration set as GPTQ W4A16 and as NVFP4 (default exclusions
+and dense-all), reads each export back with the runtime (packed quantized linears, as served) and compares it
+with the bf16 model on held-out text: checkpoint size, perplexity, KL(bf16 || export), top-1 agreement and a
+greedy-generation collapse check. One table, ``demo.json`` and the checkpoints under the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .calibration import CalibOptions
+from .eval.data import load_eval_text
+from .eval.generation import DEFAULT_PROMPTS, check_continuation, greedy
+from .eval.metrics import compare_windows
+from .perplexity import windows
+from .workflow import load_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_MODEL = REPO_ROOT / "models" / "sala-tiny"
+SHIPPED_CALIB = REPO_ROOT / "calib" / "sala-tiny-calib.jsonl"
+MARKER = "demo.json"
+
+
+class DemoError(ValueError):
+    """Bad demo input (missing shipped files, an output folder that is not the demo's)."""
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """How much calibration and evaluation the demo does."""
+
+    calib_samples: int
+    calib_len: int
+    eval_windows: int
+    eval_len: int
+    gen_prompts: int
+    gen_tokens: int
+
+
+FULL = DemoSize(calib_samples=32, calib_len=2048, eval_windows=16, eval_len=1024, gen_prompts=6, gen_tokens=32)
+QUICK = DemoSize(calib_samples=8, calib_len=512, eval_windows=4, eval_len=512, gen_prompts=2, gen_tokens=16)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the tensor files of a checkpoint folder."""
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def score_export(
+    reference: Any,
+    quantized: Any,
+    wins: list[torch.Tensor],
+    prompts: list[torch.Tensor],
+    gen_tokens: int,
+    unk_id: int | None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """Perplexity, KL, top-1 of ``quantized`` against ``reference`` on ``wins`` (dense attention), and whether
+    its greedy continuations of ``prompts`` collapse (a flood of the unknown token, one token repeated, NaN)."""
+    cmp, _ = compare_windows(reference, quantized, wins, attention_mode="dense", device=device, unk_id=unk_id)
+    s = cmp.summary()
+    problems = []
+    for ids in prompts:
+        check = check_continuation(greedy(quantized, ids[None].to(device), gen_tokens, "dense"), unk_id)
+        if check["collapse"]:
+            problems.append(check["collapse"])
+        if check["nonfinite_step"] is not None:
+            problems.append(f"NaN/Inf logits at step {check['nonfinite_step']}")
+    return {
+        "ppl": s["ppl_quantized"],
+        "ppl_source": s["ppl_source"],
+        "ppl_increase": s["ppl_increase"],
+        "kl": s["kl"],
+        "top1": s["top1"],
+        "collapse": problems,
+    }
+
+
+def _resolve(model: Path | None, calib: Path | None) -> tuple[Path, Path]:
+    model = model or SHIPPED_MODEL
+    calib = calib or SHIPPED_CALIB
+    for path, what, flag in ((model, "model", "--model"), (calib, "calibration set", "--calib")):
+        if not path.exists():
+            raise DemoError(
+                f"the shipped {what} is not at {path} (it ships in the source tree, not in the wheel): "
+                f"run from a checkout or pass {flag}"
+            )
+    return model, calib
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists() and not overwrite:
+        raise DemoError(f"{out} is not empty and was not written by the demo: pass another --out or --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _variants(
+    model: Path, calib: Path, options: CalibOptions, device: str
+) -> list[tuple[str, str, Callable[[Path, Console], object]]]:
+    from .gptq.command import RunOptions, run_gptq
+    from .gptq.layer import GPTQLayerOptions
+    from .gptq.plan import BitsOptions
+    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from .nvfp4.layer import NVFP4LayerOptions
+
+    def gptq(out: Path, console: Console) -> object:
+        run = RunOptions(device=device, show_progress=False, overwrite=True)
+        return run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
+
+    def nvfp4(dense_all: bool) -> Callable[[Path, Console], object]:
+        def quantize(out: Path, console: Console) -> object:
+            run = NVFP4RunOptions(dense_all=dense_all, device=device, show_progress=False, overwrite=True)
+            return run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
+
+        return quantize
+
+    return [
+        ("GPTQ W4A16", "gptq-w4a16", gptq),
+        ("NVFP4", "nvfp4", nvfp4(False)),
+        ("NVFP4 dense-all", "nvfp4-dense-all", nvfp4(True)),
+    ]
+
+
+def run_demo(
+    out: Path,
+    console: Console,
+    quick: bool = False,
+    model: Path | None = None,
+    calib: Path | None = None,
+    device: str = "cpu",
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Quantize, score and tabulate; returns what ``demo.json`` holds."""
+    from .pipeline import resolve_device
+    from .runtime.load import load
+
+    model, calib = _resolve(model, calib)
+    _prepare_output(out, overwrite)
+    size = QUICK if quick else FULL
+    dev = resolve_device(device)
+    t_start = time.perf_counter()
+    tok = load_tokenizer(model)
+    unk_id = tok.unk_token_id
+    stream = load_eval_text(None, tok, tok.eos_token_id)
+    wins = windows(stream.tokens, size.eval_len, size.eval_windows)
+    prompts = [torch.tensor(tok(p)["input_ids"], dtype=torch.long) for p in DEFAULT_PROMPTS[: size.gen_prompts]]
+    options = CalibOptions(max_samples=size.calib_samples, max_len=size.calib_len)
+    variants = _variants(model, calib, options, str(dev))
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the run)
+
+    rows: list[dict[str, Any]] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+    with Progress(*columns, TimeElapsedColumn(), console=console, disable=not show_progress) as progress:
+        task = progress.add_task("loading bf16 model", total=1 + 2 * len(variants))
+        reference = load(model, device=dev)
+        base = score_export(reference, reference, wins, prompts, size.gen_tokens, unk_id, dev)
+        rows.append({"variant": "bf16", "path": str(model), "bytes": checkpoint_bytes(model), **base})
+        progress.advance(task)
+        for label, folder, quantize in variants:
+            path = out / folder
+            progress.update(task, description=f"quantizing: {label}")
+            t0 = time.perf_counter()
+            quantize(path, quiet)
+            seconds = time.perf_counter() - t0
+            progress.advance(task)
+            progress.update(task, description=f"evaluating: {label}")
+            exported = load(path, device=dev)
+            scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)
+            rows.append({"variant": label, "path": str(path), "bytes": checkpoint_bytes(path), **scores})
+            rows[-1]["quantize_s"] = round(seconds, 1)
+            del exported
+            progress.advance(task)
+    result = {
+        "model": str(model),
+        "calibration": {"source": str(calib), "max_samples": size.calib_samples, "max_len": size.calib_len},
+        "eval": {
+            "data": stream.source,
+            "windows": len(wins),
+            "window_tokens": size.eval_len,
+            "attention": "dense",
+            "prompts": len(prompts),
+            "gen_tokens": size.gen_tokens,
+        },
+        "device": str(dev),
+        "quick": quick,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    tmp = out / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out / MARKER)
+    console.print(table(result))
+    console.print(f"checkpoints and reports under {out}/ ({MARKER}); {result['seconds']:.0f} s")
+    return result
+
+
+def table(result: dict[str, Any]) -> Table:
+    ev = result["eval"]
+    title = (
+        f"held-out {ev['windows']} x {ev['window_tokens']} tokens, dense attention, {result['device']}\n"
+        "GPTQ: SmoothQuant + GPTQ, int4 g128; NVFP4: sparse-attention blocks kept bf16; dense-all: those too"
+    )
+    t = Table(title=title)
+    for col in ("variant", "size MB", "ppl", "ppl increase", "KL(bf16||q)", "top-1 agree", "collapse check"):
+        t.add_column(col, justify="left" if col in ("variant", "collapse check") else "right")
+    for r in result["rows"]:
+        check = "ok" if not r["collapse"] else "; ".join(sorted(set(r["collapse"])))
+        t.add_row(
+            r["variant"],
+            f"{r['bytes'] / 1e6:.2f}",
+            f"{r['ppl']:.3f}",
+            f"{100 * r['ppl_increase']:+.2f}%",
+            f"{r['kl']:.4f}",
+            f"{100 * r['top1']:.2f}%",
+            check,
+        )
+    return t

@@ -1,0 +1,65 @@
+"""``benchmarks/quality.py --smoke``: every variant runs (or records why not) and lands in one table and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_modelopt_cpu_emulation_is_modelopt_numerics() -> None:
+    """The CPU route of ModelOpt's NVFP4 fake-quant op gives its NVFP4QTensor round trip exactly."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import quality
+    finally:
+        sys.path.pop(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quality._modelopt_on_cpu()
+        import modelopt.torch.quantization.nn.modules.tensor_quantizer as tq
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    w = torch.randn(32, 64) * torch.exp(torch.randn(32, 64))
+    amax = w.abs().amax()
+    out = tq.dynamic_block_quant(w, 16, amax, None, (2, 1), (4, 3), None, None, True)
+    q, scale, s2 = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=amax / (6.0 * 448.0))
+    ref = q.dequantize(dtype=torch.float32, scale=scale, double_scale=s2, block_sizes={-1: 16})
+    assert torch.equal(out, ref)
+    assert 0 < float((out - w).norm() / w.norm()) < 0.2  # it did quantize
+
+
+def test_quality_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "quality.json").read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["bf16"]["kl"] < 1e-9 and rows["bf16"]["top1"] == 1.0
+    scored = [r for r in result["rows"] if r["tool"] in ("salaquant", "ModelOpt")]
+    assert len(scored) == 12
+    for r in scored:
+        assert "error" not in r, r
+        assert math.isfinite(r["ppl"]) and 0 < r["kl"] < 1 and 0.5 < r["top1"] < 1, r
+    for r in scored:
+        if r["tool"] == "ModelOpt":
+            assert r["same_linears_as_salaquant"], r
+    # dense-all quantizes more linears than the default exclusions
+    assert (
+        rows["ModelOpt NVFP4 default, dense-all exclusions"]["quantized_linears"]
+        > rows["ModelOpt NVFP4 default, default exclusions"]["quantized_linears"]
+    )
+    peers = [r for r in result["rows"] if r["tool"] in ("llm-compressor", "GPTQModel")]
+    assert len(peers) == 3 and all("not run" in r["error"] and "setup_" in r["error"] for r in peers)
+    assert any(line.startswith("GPTQ ppl increase") for line in result["targets"])
+    assert "ModelOpt NVFP4 AWQ-lite, default exclusions" in proc.stdout
