@@ -1,0 +1,183 @@
+"""The whole pipeline at the real 9.48B shape: ``salaquant gptq`` and ``salaquant nvfp4`` end to end on one GPU.
+
+Writes a random-weight checkpoint of the preset's shape (``full``: the published MiniCPM-SALA configuration, real
+tensor names, sharded), gives it the shipped tokenizer (its ids are a subset of the real vocabulary) and a
+calibration JSONL of shipped text with one ``--long``-token sample and ``--short-count`` samples of ``--short``
+tokens, then runs each quantizer exactly as the command does (load, calibrate, smooth, solve, pack, export,
+format checker), loads each export with the runtime and greedily generates a few tokens (noise: the point is
+that it loads and runs at full size). Prints and writes (JSON) per quantizer: wall time per phase, calibration
+tokens/s, solve time per linear type, export time and size, peak GPU memory, peak CPU RSS, and the FLOP floor
+of the calibration work with the fraction of it reached.
+
+  python benchmarks/pipeline.py --out OUT                       # H200: full shape, 131072 + 4 x 8192 tokens
+  python benchmarks/pipeline.py --out /tmp/p --preset tiny --long 600 --short 128 --short-count 2   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from calibration import work_flops
+from rich.console import Console
+
+from salaquant.calibration import CalibOptions
+from salaquant.model.config import SalaConfig
+from salaquant.model.layout import parameter_shapes
+from salaquant.model.tiny import preset_config, write_random_checkpoint
+from salaquant.workflow import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_SOURCE = ROOT / "models" / "sala-tiny"
+TEXT_SOURCE = ROOT / "calib" / "sala-tiny-calib.jsonl"
+TOKENIZER_VOCAB = 4096
+
+
+def calibration_jsonl(path: Path, tokenizer: Any, lengths: list[int]) -> list[int]:
+    """One record per wanted length: shipped texts joined (repeated as needed) and cut to that many tokens.
+    Returns the token count of each record as the tokenizer reads it back."""
+    texts = [json.loads(line)["text"] for line in TEXT_SOURCE.read_text().splitlines() if line.strip()]
+    records, got, cursor = [], [], 0
+    for want in lengths:
+        ids: list[int] = []
+        while len(ids) < want:
+            ids += tokenizer(texts[cursor % len(texts)] + "\n", add_special_tokens=False)["input_ids"]
+            cursor += 1
+        text = tokenizer.decode(ids[:want])
+        records.append({"text": text})
+        got.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return got
+
+
+def _rss_gib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
+    """Total solve seconds per (layer kind, linear) from a quant_report.json."""
+    out: dict[str, float] = {}
+    for layer in report.get("layers", []):
+        for name, lin in layer.get("linears", {}).items():
+            key = f"{layer['kind']} {name}"
+            out[key] = round(out.get(key, 0.0) + float(lin.get("seconds", 0.0)), 2)
+    return out
+
+
+def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str, max_len: int) -> dict[str, Any]:
+    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.gptq.layer import GPTQLayerOptions
+    from salaquant.gptq.plan import BitsOptions
+    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.layer import NVFP4LayerOptions
+
+    options = CalibOptions(max_len=max_len)
+    console = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (closed with the process)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    if method == "gptq":
+        run = RunOptions(device=device, show_progress=False, overwrite=True)
+        run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
+    else:
+        run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
+        run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
+    wall = time.perf_counter() - t0
+    report = json.loads((out / "quant_report.json").read_text())
+    timings = report["timings_s"]
+    calib_s = float(timings.get("calibrate_and_quantize", wall))
+    tokens = int(report["calibration"]["tokens"])
+    return {
+        "wall_s": round(wall, 1),
+        "phase_seconds": {k: round(float(v), 2) for k, v in timings.items()},
+        "export_and_check_s": round(wall - calib_s, 1),
+        "calibration_tokens": tokens,
+        "calibration_tokens_per_s": round(tokens / calib_s, 1),
+        "tokens_per_s_end_to_end": round(tokens / wall, 1),
+        "solve_seconds_per_linear": solve_seconds(report),
+        "export_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        "peak_cpu_rss_gib": _rss_gib(),
+    }
+
+
+def generate_check(path: Path, device: str, tokens: int = 8) -> dict[str, Any]:
+    from salaquant.runtime.load import load
+
+    t0 = time.perf_counter()
+    model = load(path, device=device)
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(0, TOKENIZER_VOCAB, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    t0 = time.perf_counter()
+    out = model.greedy(ids, max_new_tokens=tokens)
+    gen_s = time.perf_counter() - t0
+    new = out[0, ids.shape[1] :].tolist()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"load_s": round(load_s, 1), "generate_s": round(gen_s, 2), "tokens": new}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--scratch", type=Path, default=Path("/tmp/salaquant-pipeline"))
+    ap.add_argument("--long", type=int, default=131072)
+    ap.add_argument("--short", type=int, default=8192)
+    ap.add_argument("--short-count", type=int, default=4)
+    ap.add_argument("--methods", nargs="+", default=["gptq", "nvfp4"], choices=["gptq", "nvfp4"])
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 rate used for the floor")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    model = args.scratch / f"random-{args.preset}"
+    if not (model / "config.json").exists():
+        t0 = time.perf_counter()
+        config = preset_config(args.preset)
+        config["vocab_size"] = max(int(config["vocab_size"]), TOKENIZER_VOCAB)  # the shipped tokenizer's ids fit
+        write_random_checkpoint(model, config, seed=0, device=device, overwrite=True)
+        res["write_checkpoint_s"] = round(time.perf_counter() - t0, 1)
+    for f in TOKENIZER_SOURCE.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, model / f.name)
+    cfg = SalaConfig.from_file(model)
+    tok = load_tokenizer(model)
+    calib = args.scratch / "calib.jsonl"
+    lengths = calibration_jsonl(calib, tok, [args.long] + [args.short] * args.short_count)
+    max_len = max(lengths)
+    params = sum(math.prod(shape) for shape in parameter_shapes(cfg).values())
+    res.update({"preset": args.preset, "parameters": params, "calibration_lengths": lengths})
+    flops = work_flops(cfg, [min(n, max_len) for n in lengths], hessian=True)
+    floor = flops["total"] / (args.peak_tflops * 1e12)
+    res["calibration_flops"] = {k: f"{v:.3e}" for k, v in flops.items()}
+    res["calibration_flop_floor_s"] = round(floor, 2)
+    for method in args.methods:
+        out = args.scratch / f"export-{method}"
+        r = run_quantizer(method, model, calib, out, device, max_len)
+        calib_s = r["phase_seconds"].get("calibrate_and_quantize", r["wall_s"])
+        r["fraction_of_flop_floor"] = round(floor / calib_s, 3)
+        r["generate"] = generate_check(out, device)
+        res[method] = r
+        print(json.dumps({method: r}, indent=2), flush=True)
+    res["hidden_state_gib"] = round(sum(lengths) * cfg.hidden_size * 2 / 2**30, 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"pipeline-{args.preset}.json").write_text(json.dumps(res, indent=2))
+    if not args.keep:
+        for method in args.methods:
+            shutil.rmtree(args.scratch / f"export-{method}", ignore_errors=True)
+    print(f"wrote {args.out / f'pipeline-{args.preset}.json'}")
+
+
+if __name__ == "__main__":
+    main()

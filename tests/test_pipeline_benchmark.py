@@ -1,0 +1,29 @@
+"""``benchmarks/pipeline.py`` in its CPU smoke form: both quantizers end to end, every figure it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pipeline_smoke(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--out", str(tmp_path / "out")]
+    cmd += ["--preset", "tiny", "--long", "600", "--short", "128", "--short-count", "2"]
+    cmd += ["--scratch", str(tmp_path / "scratch")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "pipeline-tiny.json").read_text())
+    assert res["calibration_lengths"] == [600, 128, 128]
+    for method in ("gptq", "nvfp4"):
+        r = res[method]
+        # the loader adds one BOS per sample
+        assert sum(res["calibration_lengths"]) <= r["calibration_tokens"] <= sum(res["calibration_lengths"]) + 3
+        assert r["calibration_tokens_per_s"] > 0 and r["wall_s"] >= r["phase_seconds"]["calibrate_and_quantize"]
+        assert {"minicpm4 mlp.down_proj", "lightning mlp.down_proj"} <= set(r["solve_seconds_per_linear"])
+        assert 0 < r["export_bytes"] < 2 * res["parameters"]  # under 2 bytes per parameter: quantized
+        assert len(r["generate"]["tokens"]) == 8 and r["peak_cpu_rss_gib"] > 0
+    assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep
