@@ -104,8 +104,6 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     row["tinygemm_us"] = _time_us(tiny, rep) if tiny is not None else None
 
     alt: dict[str, float] = {}
-    if m <= 16:
-        alt["splitk"] = _time_us(lambda i: tk.matmul_splitk(x, qweight[i], scales[i], 4, GROUP), rep)
     if m == 1:
         alt["flat"] = _time_us(
             lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep

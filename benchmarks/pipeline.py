@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import resource
 import shutil
 import time
@@ -30,6 +29,7 @@ from calibration import work_flops
 from rich.console import Console
 
 from salaquant.calibration import CalibOptions
+from salaquant.demo import checkpoint_bytes
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import parameter_shapes
 from salaquant.model.tiny import preset_config, write_random_checkpoint
@@ -80,7 +80,7 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
     options = CalibOptions(max_len=max_len)
-    console = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (closed with the process)
+    console = Console(quiet=True)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -103,7 +103,7 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
         "calibration_tokens_per_s": round(tokens / calib_s, 1),
         "tokens_per_s_end_to_end": round(tokens / wall, 1),
         "solve_seconds_per_linear": solve_seconds(report),
-        "export_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
+        "export_bytes": checkpoint_bytes(out),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         "peak_cpu_rss_gib": _rss_gib(),
     }

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -52,7 +51,7 @@ CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
 
 
 def _quiet() -> Console:
-    return Console(file=open(os.devnull, "w"))  # one per export, closed with the process
+    return Console(quiet=True)
 
 
 def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str, Callable[[Path], object]]]:

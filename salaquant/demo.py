@@ -9,7 +9,6 @@ greedy-generation collapse check. One table, ``demo.json`` and the checkpoints u
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,7 +159,7 @@ def run_demo(
     prompts = [torch.tensor(tok(p)["input_ids"], dtype=torch.long) for p in DEFAULT_PROMPTS[: size.gen_prompts]]
     options = CalibOptions(max_samples=size.calib_samples, max_len=size.calib_len)
     variants = _variants(model, calib, options, str(dev))
-    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the run)
+    quiet = Console(quiet=True)
 
     rows: list[dict[str, Any]] = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))

@@ -11,16 +11,12 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   fully unrolled run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in
   natural K order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core
   reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
-* ``splitk`` (``matmul_splitk``, not chosen by ``matmul``): the ``gemv`` tiling with ``tl.dot`` on a 16-row
-  activation tile. Value ``j`` of the words of a tile holds K rows ``p * r + j``, so each ``j`` is one ``tl.dot`` of
-  a strided activation slice with a ``[BLOCK_K / p, BLOCK_N]`` weight slice and no word is loaded twice. When a K
-  tile lies inside one group the exact integer codes go into the dot and the scale multiplies the fp32 tile sum.
 * ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
   order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
 * ``M >= DEQUANT_MIN_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
   runs in ``torch.matmul``: at that size the GEMM is compute-bound and the dequantization costs a few percent.
 
-Split-K reduction (``gemv``, ``flat``, ``splitk``): every program stores its fp32 partial tile into a workspace, then
+Split-K reduction (``gemv``, ``flat``): every program stores its fp32 partial tile into a workspace, then
 increments a per-column-tile counter; the program that completes the count sums the partials in split order,
 writes the output in the activation dtype and resets the counter. One launch, no atomics on data, and
 run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch leaves zeroed.
@@ -48,7 +44,6 @@ __all__ = [
     "matmul",
     "matmul_flat",
     "matmul_gemv",
-    "matmul_splitk",
     "matmul_tiled",
 ]
 
@@ -57,7 +52,7 @@ DEQUANT_MIN_M = 1024
 
 FLAT_DOT_CONFIG = {"block_n": 64, "block_k": 128, "tiles": 2, "num_warps": 4, "cuda_cores": False, "expand": True}
 """``matmul_flat`` settings ``matmul`` uses for 2..16 rows: the fastest at every SALA shape in
-``benchmarks/w4a16_sweep.py --m 16`` on an H200 (the old ``splitk`` path was 1.01-1.12x slower)."""
+``benchmarks/w4a16_sweep.py --m 16`` on an H200 (1.01-1.12x faster than the split-K kernel it replaced)."""
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
@@ -76,10 +71,9 @@ def _cfg(num_warps: int, num_stages: int, **meta: int) -> triton.Config:
 
 if _INTERPRET:
     _GEMV_CONFIGS = [_cfg(4, 1, BLOCK_N=128, BLOCK_K=64)]
-    _SPLITK_CONFIGS = [_cfg(4, 1, BLOCK_N=128, BLOCK_K=128)]
     _TILED_CONFIGS = [_cfg(4, 1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, EXPAND=True)]
 else:
-    # GEMV and split-K prefetch the next word tile by hand; num_stages plays no part there.
+    # The GEMV prefetches the next word tile by hand; num_stages plays no part there.
     _GEMV_CONFIGS = [
         _cfg(4, 1, BLOCK_N=128, BLOCK_K=128),
         _cfg(4, 1, BLOCK_N=64, BLOCK_K=256),
@@ -88,14 +82,6 @@ else:
         _cfg(8, 1, BLOCK_N=256, BLOCK_K=128),
         _cfg(8, 1, BLOCK_N=128, BLOCK_K=256),
         _cfg(8, 1, BLOCK_N=512, BLOCK_K=64),
-    ]
-    _SPLITK_CONFIGS = [
-        _cfg(4, 1, BLOCK_N=128, BLOCK_K=128),
-        _cfg(4, 1, BLOCK_N=64, BLOCK_K=256),
-        _cfg(4, 1, BLOCK_N=64, BLOCK_K=128),
-        _cfg(2, 1, BLOCK_N=64, BLOCK_K=128),
-        _cfg(8, 1, BLOCK_N=256, BLOCK_K=128),
-        _cfg(8, 1, BLOCK_N=128, BLOCK_K=256),
     ]
     _TILED_CONFIGS = [
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPAND=True),
@@ -234,75 +220,6 @@ def _gemv_kernel(
     if ONE_GROUP:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     _split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
-
-
-@triton.autotune(configs=_SPLITK_CONFIGS, key=["N", "K", "BITS", "GROUP_SIZE"], do_bench=_bench)
-@triton.jit
-def _splitk_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    y_ptr,
-    part_ptr,
-    cnt_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_ym,
-    MAGIC,
-    BITS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    PACK: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PACK
-    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
-    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
-    dtype = x_ptr.dtype.element_ty
-
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_r = tl.arange(0, ROWS)
-    t_start, t_end = _k_slice(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    words = _load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
-    for t in range(t_start, t_end):
-        nxt = _load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
-        rows = t * ROWS + offs_r
-        mask_r = rows < K // PACK
-        hi = words >> 16
-        # Value j of word row r is K row PACK * r + j: one dot per j with the matching strided slice of x.
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + rows[None, :] * PACK
-        x_mask = mask_m[:, None] & mask_r[None, :]
-        if ONE_GROUP:
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
-                acc = tl.dot(xj, _word_value(words, hi, MAGIC, j, BITS).to(dtype), acc, input_precision=DOT_PRECISION)
-        elif TILE_SCALE:
-            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
-                part = tl.dot(xj, _word_value(words, hi, MAGIC, j, BITS).to(dtype), part, input_precision=DOT_PRECISION)
-            s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
-            acc += part * s.to(tl.float32)[None, :]
-        else:
-            g = rows * PACK // GROUP_SIZE
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            s = s.to(tl.float32)
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
-                wj = (_word_value(words, hi, MAGIC, j, BITS) * s).to(dtype)
-                acc = tl.dot(xj, wj, acc, input_precision=DOT_PRECISION)
-        words = nxt
-    if ONE_GROUP:
-        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
 
 
 @triton.autotune(
@@ -666,45 +583,6 @@ def matmul_gemv(
         raise ValueError(f"the GEMV takes one activation row, got {x.shape[0]}")
     y = _output(out, 1, n, x)
     _split_k_run(_gemv_kernel, config, x, qweight, scales, y, split_k, n, k, _MAGIC, BITS=bits, GROUP_SIZE=gs)
-    return y
-
-
-def matmul_splitk(
-    x: Tensor,
-    qweight: Tensor,
-    scales: Tensor,
-    bits: int = 4,
-    group_size: int = 128,
-    *,
-    out: Tensor | None = None,
-    split_k: int | None = None,
-    config: triton.Config | None = None,
-) -> Tensor:
-    """``x [M, K] @ W^T`` for ``M <= 16`` with the split-K ``tl.dot`` kernel (``split_k``, ``config``: as the GEMV)."""
-    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
-    m = x.shape[0]
-    if not 1 <= m <= 16:
-        raise ValueError(f"the split-K kernel takes 1 to 16 activation rows, got {m}")
-    y = _output(out, m, n, x)
-    _split_k_run(
-        _splitk_kernel,
-        config,
-        x,
-        qweight,
-        scales,
-        y,
-        split_k,
-        m,
-        n,
-        k,
-        x.stride(0),
-        y.stride(0),
-        _MAGIC,
-        BITS=bits,
-        GROUP_SIZE=gs,
-        DOT_PRECISION=_dot_precision(x),
-        BLOCK_M=16,
-    )
     return y
 
 
