@@ -16,8 +16,11 @@ of the calibration work with the fraction of it reached.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
+import pstats
 import resource
 import shutil
 import time
@@ -137,6 +140,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["gptq", "nvfp4"], choices=["gptq", "nvfp4"])
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 rate used for the floor")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
@@ -164,7 +168,18 @@ def main() -> None:
     res["calibration_flop_floor_s"] = round(floor, 2)
     for method in args.methods:
         out = args.scratch / f"export-{method}"
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler is not None:
+            profiler.enable()
         r = run_quantizer(method, model, calib, out, device, max_len)
+        if profiler is not None:
+            profiler.disable()
+            args.out.mkdir(parents=True, exist_ok=True)
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("cumulative").print_stats(45)
+            stats.sort_stats("tottime").print_stats(30)
+            (args.out / f"profile-{method}.txt").write_text(text.getvalue())
         calib_s = r["phase_seconds"].get("calibrate_and_quantize", r["wall_s"])
         r["fraction_of_flop_floor"] = round(floor / calib_s, 3)
         r["generate"] = generate_check(out, device)

@@ -34,6 +34,7 @@ from .model.layers import RMSNorm
 from .model.layout import InputGroup, input_groups
 from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
+from .runtime.load import use_layer_kernels
 from .stats import GroupStats, LayerStats
 
 log = logging.getLogger("salaquant.pipeline")
@@ -47,8 +48,8 @@ class ResumeError(RuntimeError):
 
 @dataclass
 class EngineOptions:
-    """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory`` and
-    ``background_writes`` enters the resume fingerprint."""
+    """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory``,
+    ``background_writes`` and ``resume_every`` enters the resume fingerprint."""
 
     device: str = "auto"
     chunk_tokens: int = 8192
@@ -62,10 +63,12 @@ class EngineOptions:
     show_progress: bool = True
     pin_memory: bool = True
     background_writes: bool = True  # write layer i's files while layer i + 1 computes
+    attention_kernels: bool = True  # GLA through salaquant.kernels (Triton on CUDA, the reference elsewhere)
+    resume_every: int = 4  # hidden states (the resume point) written after every N-th layer and the last one
 
     def fingerprint_fields(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("device", "show_progress", "pin_memory", "background_writes"):
+        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every"):
             d.pop(key)
         return d
 
@@ -178,6 +181,8 @@ class CalibrationEngine:
             raise ValueError(f"propagate must be 'quantized' or 'float', got {self.opts.propagate!r}")
         if self.opts.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        if self.opts.resume_every < 1:
+            raise ValueError("resume_every must be >= 1")
         self.device = resolve_device(self.opts.device)
         self.settings = settings or {}
         self.fingerprint = hashlib.sha256(
@@ -347,6 +352,8 @@ class CalibrationEngine:
         cfg = self.config
         t0 = time.perf_counter()
         layer = load_layer(self.reader, cfg, i, self.device)
+        if self.opts.attention_kernels:
+            use_layer_kernels(layer)
         timings["load"] += time.perf_counter() - t0
         groups = input_groups(cfg, layer.kind)
         need_stats = quantizer is not None or self.opts.hessian
@@ -394,6 +401,8 @@ class CalibrationEngine:
             t0 = time.perf_counter()
             progress.phase(i, layer.kind, "propagate")
             qlayer = result.layer if result.layer is not None else layer
+            if self.opts.attention_kernels and qlayer is not layer:
+                use_layer_kernels(qlayer)
             out = []
             for j, h in enumerate(hs):
                 out.append(self._run_sample(qlayer, h))
@@ -406,12 +415,15 @@ class CalibrationEngine:
     def _persist_layer(
         self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, hs: list[torch.Tensor]
     ) -> None:
-        """Layer ``i``'s files, then the hidden states after it, then the state that marks it finished."""
+        """Layer ``i``'s files; at a resume point (every ``resume_every``-th layer and the last) also the hidden
+        states after it, then the state that marks layers up to ``i`` finished. Layers after the last resume point
+        are computed again by a resumed run (same bytes: the computation is deterministic)."""
         if files is not None:
             _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
             _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
-        self._save_hidden(hs)
-        self._write_state(i + 1)
+        if (i + 1) % self.opts.resume_every == 0 or i + 1 == self.config.num_hidden_layers:
+            self._save_hidden(hs)
+            self._write_state(i + 1)
 
     @torch.no_grad()
     def _lm_head_stats(self, hs: list[torch.Tensor]) -> GroupStats:

@@ -21,7 +21,7 @@ def _samples(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
 
 
 def _opts(**kw) -> EngineOptions:
-    base = {"device": "cpu", "show_progress": False, "hessian_dtype": "fp64"}
+    base = {"device": "cpu", "show_progress": False, "hessian_dtype": "fp64", "resume_every": 1}
     base.update(kw)
     return EngineOptions(**base)
 
@@ -134,6 +134,17 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
             tmp_path / "full" / "layers" / f"{i:03d}.safetensors"
         ).read_bytes()
     assert (work / "hidden.safetensors").read_bytes() == (tmp_path / "full" / "hidden.safetensors").read_bytes()
+    # Resume points every other layer: interrupted in layer 1, a resumed run starts over at layer 0 (nothing saved
+    # yet); interrupted in layer 3, it starts at layer 2; the bytes are those of the uninterrupted run.
+    for fail_at, redone in ((1, [0, 1, 2, 3]), (3, [2, 3])):
+        work2 = tmp_path / f"every2-{fail_at}"
+        with pytest.raises(KeyboardInterrupt):
+            CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2)).run(_RoundToNearest(fail_at=fail_at))
+        q2 = _RoundToNearest()
+        CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2)).run(q2, resume=True)
+        assert q2.seen == redone
+        for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + ["hidden.safetensors"]:
+            assert (work2 / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
     # quantized propagation differs from float propagation
     flt = CalibrationEngine(tiny_ckpt, samples, tmp_path / "flt", _opts(propagate="float"))
     flt.run(_RoundToNearest())

@@ -46,11 +46,19 @@ def test_sums_match_float64(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_hessian_on_tf32_is_exact_to_fp32_rounding() -> None:
+@pytest.mark.parametrize("half_product", [True, False])
+def test_gpu_bf16_hessian_on_tensor_cores_is_exact_to_fp32_rounding(
+    half_product: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both tensor-core paths: bf16 operands with a float32 result, and the TF32 product of the float32 copy."""
+    from salaquant import stats
+
+    monkeypatch.setattr(stats, "_HALF_MM_FP32_OUT", [half_product])
     gen = torch.Generator().manual_seed(1)
     samples = [(torch.randn(n, 1024, generator=gen) * 4).to(torch.bfloat16) for n in (3000, 1111)]
     torch.backends.cuda.matmul.allow_tf32 = False
     st = _collect(samples, "cuda", chunk=1024)
+    assert stats._HALF_MM_FP32_OUT[0] is half_product, "the bf16 product with a float32 result must run on this torch"
     # TF32 would truncate fp32 inputs to 10 mantissa bits (~1e-4 error here); bf16 inputs lose nothing, and what
     # remains is fp32 summation (measured 2.5e-6 on the H200).
     _check(st, samples, tol=1e-5)

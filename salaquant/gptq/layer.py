@@ -25,7 +25,7 @@ from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hess
 from ..stats import GroupStats, LayerStats
 from .dynamic import LinearPlan
 from .packing import pack_gptq_v1
-from .solver import GPTQConfig, GPTQResult, gptq, relative_output_error, rtn, weighted_error
+from .solver import GPTQConfig, GPTQResult, error_ratio, gptq, row_weighted_errors, rtn
 
 GPTQ_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
@@ -129,7 +129,10 @@ class GPTQLayerQuantizer:
             result = gptq(w, h, cfg)
         seconds = time.perf_counter() - t0
         w_hat = result.weight.dequantize()
-        w_rtn = w_rtn_q.dequantize()
+        # Per-row diagnostics, three products for the whole stack: the solution's error, RTN's, and the output energy.
+        row_loss = result.row_loss if result.row_loss is not None else row_weighted_errors(w, w_hat, h)
+        row_rtn = row_weighted_errors(w, w_rtn_q.dequantize(), h)
+        row_total = row_weighted_errors(w, None, h)
         row = 0
         for name, mod in zip(members, mods, strict=True):
             out = mod.weight.shape[0]
@@ -144,9 +147,9 @@ class GPTQLayerQuantizer:
             report["linears"][name] = {
                 "bits": p.bits,
                 "group_size": p.group_size,
-                "loss": weighted_error(w[rows], w_hat[rows], h),
-                "rel_err": relative_output_error(w[rows], w_hat[rows], h),
-                "rtn_rel_err": relative_output_error(w[rows], w_rtn[rows], h),
+                "loss": float(row_loss[rows].sum()),
+                "rel_err": error_ratio(float(row_loss[rows].sum()), float(row_total[rows].sum())),
+                "rtn_rel_err": error_ratio(float(row_rtn[rows].sum()), float(row_total[rows].sum())),
                 "damp": result.damp,
                 "seconds": seconds * out / w.shape[0],
             }

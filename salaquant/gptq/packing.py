@@ -106,7 +106,7 @@ def pack_gptq_v1(
     if not bool(torch.isfinite(scales16).all()):
         raise ValueError("scales are not finite in fp16 (overflow or NaN)")
 
-    qweight = _pack_cols(codes.detach().cpu(), bits).t().contiguous()
+    qweight = _pack_cols(codes.detach(), bits).t().contiguous().cpu()  # packs where the codes are: 8x less to copy
     qzeros = _pack_cols(torch.full((groups, out_f), int(zero) - 1, dtype=torch.int64), bits)
     return {
         "qweight": qweight,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.gptq import BACKENDS, gptq_columns
+
 _FP16 = torch.finfo(torch.float16)
 
 
@@ -44,6 +46,7 @@ class GPTQConfig:
     mse_grid: int = 100
     mse_maxshrink: float = 0.8
     fp64: bool = False
+    backend: str = "auto"  # the column sweep: "auto", "triton" or "reference" (see salaquant.kernels.gptq)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -54,6 +57,8 @@ class GPTQConfig:
             raise ValueError(f"block_size={self.block_size}: expected a positive integer")
         if self.damp < 0 or self.damp_step < 0 or self.max_damp < self.damp:
             raise ValueError(f"damping: need 0 <= damp <= max_damp and damp_step >= 0, got {self}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
         if self.mse_grid <= 0 or not 0.0 <= self.mse_maxshrink < 1.0:
             raise ValueError(
                 f"mse_grid={self.mse_grid}, mse_maxshrink={self.mse_maxshrink}: need grid > 0, 0 <= shrink < 1"
@@ -85,6 +90,7 @@ class GPTQResult:
     loss: float
     damp: float  # damping fraction of mean(diag H) finally used
     seconds: float  # wall time of the call
+    row_loss: torch.Tensor | None = None  # float64 [out]: each row's share of ``loss``
 
 
 _BF16_BELOW_FP16_MAX = 65280.0  # largest bfloat16 value that float16 can hold
@@ -131,20 +137,25 @@ def mse_scales(w: torch.Tensor, bits: int, grid: int = 100, maxshrink: float = 0
 
     Candidates are ``p * max|w|`` for ``p = 1 - i / grid``, ``i = 0 .. round(maxshrink * grid)`` (each scale
     rounded to float16 before it is scored); ties keep the larger scale, so ``p = 1`` (plain symmetric scales)
-    is never beaten by an equal error.
+    is never beaten by an equal error. Candidates are scored in batches (one broadcast per batch).
     """
     w = _as_float(w)
     zero, maxq = 2 ** (bits - 1), 2**bits - 1
     xmax = w.abs().amax(dim=1)
-    best_scale = _fp16_scale(2 * xmax / maxq)
-    best_err = (_dequant(quantize_codes(w, best_scale, zero, bits), best_scale, zero, w.dtype) - w).pow(2).sum(1)
-    for i in range(1, round(maxshrink * grid) + 1):
-        scale = _fp16_scale(2 * ((1 - i / grid) * xmax) / maxq)
-        err = (_dequant(quantize_codes(w, scale, zero, bits), scale, zero, w.dtype) - w).pow(2).sum(1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-    return best_scale
+    shrink = torch.tensor([1 - i / grid for i in range(round(maxshrink * grid) + 1)], dtype=w.dtype, device=w.device)
+    cands = _fp16_scale(2 * (shrink[:, None] * xmax[None, :]) / maxq)  # [k, out] float16
+    batch = max(1, _MSE_BATCH_ELEMENTS // max(1, w.numel()))
+    errs = []
+    for b in range(0, cands.shape[0], batch):
+        sc = cands[b : b + batch].to(w.dtype)[:, :, None]
+        q = (torch.round(w[None] / sc) + zero).clamp(0, maxq)
+        errs.append(((q - zero) * sc - w[None]).pow(2).sum(-1))
+    best = torch.cat(errs).argmin(dim=0)  # the first (largest) candidate among equal errors
+    return cands.gather(0, best[None]).squeeze(0)
+
+
+_MSE_BATCH_ELEMENTS = 1 << 25
+"""Elements of ``w`` times candidates scored at once by ``mse_scales`` (bounds its temporary memory)."""
 
 
 def _group_scale(w: torch.Tensor, config: GPTQConfig) -> torch.Tensor:
@@ -236,42 +247,61 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig | None 
         col_group, invperm = (perm // gs).tolist(), torch.argsort(perm)
 
     hinv, damp = _inverse_cholesky(h, config)
+    hinv = hinv.contiguous()  # row-major: the column sweep reads rows of it
     codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
+    maxq = 2**bits - 1
+    group_of = None if col_group is None else torch.tensor(col_group, device=w.device)
     scale = scales[0]
     for i1 in range(0, n, config.block_size):
         i2 = min(i1 + config.block_size, n)
         w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
         err1 = torch.zeros_like(w1)
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col_group is not None:
-                scale = scales[col_group[col]]
-            elif col % gs == 0:
-                # The group's columns with every earlier column's error applied (some may lie past this block).
-                group = w1[:, i : min(col + gs, i2) - i1]
-                if col + gs > i2:
-                    rest = w[:, i2 : col + gs] - err1[:, :i] @ hinv[i1:col, i2 : col + gs]
-                    group = torch.cat([group, rest], dim=1)
-                scales[col // gs] = scale = _group_scale(group, config)
-            q = quantize_codes(w1[:, i], scale, zero, bits)
-            codes[:, col] = q
-            err = (w1[:, i] - _dequant(q, scale, zero, dtype)) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
+        block_codes = codes[:, i1:i2]
+        if group_of is not None:  # static groups: every column's scale is known
+            per_col = scales[group_of[i1:i2]].T.to(dtype).contiguous()
+            gptq_columns(w1, block_codes, err1, per_col, hinv1, 0, i2 - i1, zero, maxq, config.backend)
+        else:
+            i = 0
+            while i < i2 - i1:
+                col = i1 + i
+                if col % gs == 0:
+                    # The group's columns with every earlier column's error applied (some may lie past this block).
+                    group = w1[:, i : min(col + gs, i2) - i1]
+                    if col + gs > i2:
+                        rest = w[:, i2 : col + gs] - err1[:, :i] @ hinv[i1:col, i2 : col + gs]
+                        group = torch.cat([group, rest], dim=1)
+                    scales[col // gs] = scale = _group_scale(group, config)
+                stop = min(i2, (col // gs + 1) * gs) - i1  # the rest of this group inside the block
+                gptq_columns(w1, block_codes, err1, scale.to(dtype), hinv1, i, stop, zero, maxq, config.backend)
+                i = stop
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     if invperm is not None:
         codes = codes[:, invperm]
     qw = QuantizedWeight(codes, scales, zero, g_idx.to(w.device), bits, config.group_size)
-    loss = weighted_error(weight, qw.dequantize(), hessian)
-    return GPTQResult(qw, loss, damp, time.perf_counter() - start)
+    row_loss = row_weighted_errors(weight, qw.dequantize(), hessian)
+    return GPTQResult(qw, float(row_loss.sum()), damp, time.perf_counter() - start, row_loss)
+
+
+def row_weighted_errors(w: torch.Tensor, w_hat: torch.Tensor | None, hessian: torch.Tensor) -> torch.Tensor:
+    """Per output row ``(w_r - w_hat_r) H (w_r - w_hat_r)^T`` in float64 (``w_hat=None``: ``w_r H w_r^T``)."""
+    d = w.detach().double()
+    if w_hat is not None:
+        d = d - w_hat.detach().to(device=w.device, dtype=torch.float64)
+    h = hessian.detach().to(device=w.device, dtype=torch.float64)
+    return ((d @ h) * d).sum(1)
 
 
 def weighted_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
     """``tr((W - W_hat) H (W - W_hat)^T)`` in float64."""
-    d = w.detach().double() - w_hat.detach().to(device=w.device, dtype=torch.float64)
-    h = hessian.detach().to(device=w.device, dtype=torch.float64)
-    return float(((d @ h) * d).sum())
+    return float(row_weighted_errors(w, w_hat, hessian).sum())
+
+
+def error_ratio(num: float, den: float) -> float:
+    """``num / den`` for squared errors: 0.0 when both are zero, ``inf`` when only ``den`` is."""
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return num / den
 
 
 def relative_output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -279,8 +309,4 @@ def relative_output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.T
 
     0.0 when both are zero, ``inf`` when only the denominator is.
     """
-    num = weighted_error(w, w_hat, hessian)
-    den = weighted_error(w, torch.zeros_like(w), hessian)
-    if den == 0:
-        return 0.0 if num == 0 else math.inf
-    return num / den
+    return error_ratio(weighted_error(w, w_hat, hessian), float(row_weighted_errors(w, None, hessian).sum()))

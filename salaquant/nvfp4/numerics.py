@@ -18,6 +18,7 @@ its codes saturate.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +122,16 @@ def block_scales(
     return _round_block_scales(raw)
 
 
+@functools.cache
+def _constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table, built once per dtype and device (a host-to-device copy per call would stall
+    the GPU queue inside the block-scale search)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _e2m1_index(magnitude: torch.Tensor) -> torch.Tensor:
     """Grid index (int64, 0-7) of the nearest E2M1 magnitude, ties to even, saturating at 6 (NaN -> 7)."""
-    midpoints = torch.tensor(_MIDPOINTS, dtype=magnitude.dtype, device=magnitude.device)
+    midpoints = _constant(tuple(_MIDPOINTS), magnitude.dtype, magnitude.device)
     # Number of midpoints strictly below the magnitude, i.e. the round-half-down index.
     idx = torch.bucketize(magnitude, midpoints, right=False)
     for m in _ROUND_UP_MIDPOINTS:
@@ -144,7 +152,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 ``codes`` (uint8 in [0, 15])."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    grid = _constant(tuple(E2M1_GRID), torch.float32, codes.device)
     table = torch.cat([grid, -grid])
     return table[codes.long()]
 

@@ -28,17 +28,23 @@ def checkpoint_format(reader: CheckpointReader) -> str:
     raise ValueError(f"{reader.path}: quantization_config.quant_method {method!r} is not supported by the runtime")
 
 
-def use_kernels(model: SalaForCausalLM, backend: str = "auto") -> None:
-    """Route GLA and sparse attention through ``salaquant.kernels`` (Triton on CUDA, references elsewhere)."""
+def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
+    """Route one decoder layer's GLA and sparse attention through ``salaquant.kernels`` (Triton on CUDA
+    tensors, the PyTorch references elsewhere)."""
     from ..kernels.gla import simple_gla
     from ..kernels.infllm import infllm_v2_attention
 
+    attn = layer.self_attn
+    if hasattr(attn, "gla_fn"):
+        attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
+    if hasattr(attn, "sparse_fn"):
+        attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
+
+
+def use_kernels(model: SalaForCausalLM, backend: str = "auto") -> None:
+    """``use_layer_kernels`` on every decoder layer of ``model``."""
     for layer in model.model.layers:
-        attn = layer.self_attn
-        if hasattr(attn, "gla_fn"):
-            attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
-        if hasattr(attn, "sparse_fn"):
-            attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
+        use_layer_kernels(layer, backend)
 
 
 def load(

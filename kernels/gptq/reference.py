@@ -1,0 +1,40 @@
+"""The GPTQ column sweep in plain PyTorch: the definition the Triton kernel is tested against.
+
+Within one block of columns ``w1 [R, C]`` (rows are output features, columns input features), with ``hinv1``
+the block's part of the upper Cholesky factor of the inverse Hessian, each column ``j`` in turn is rounded on
+its scale grid, and its error, divided by ``hinv1[j, j]``, is subtracted from every later column of the block
+along row ``j`` of ``hinv1``::
+
+    q_j   = clamp(round_half_even(w_j / s_j) + zero, 0, maxq)
+    e_j   = (w_j - (q_j - zero) * s_j) / hinv1[j, j]
+    w_k  -= e_j * hinv1[j, k]        for k >= j
+
+The scaled errors ``e_j`` are what the caller applies to the columns after the block in one matrix product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gptq_columns_reference(
+    w1: torch.Tensor,
+    codes: torch.Tensor,
+    err: torch.Tensor,
+    scale: torch.Tensor,
+    hinv1: torch.Tensor,
+    start: int,
+    stop: int,
+    zero: int,
+    maxq: int,
+) -> None:
+    """Columns ``start .. stop - 1`` of the block, in place: ``codes`` (int32 ``[R, C]``) and ``err`` (``[R, C]``)
+    receive those columns; ``w1`` is updated on columns ``>= start``. ``scale`` is ``[R]`` (one scale per row
+    for every column of the range) or ``[R, C]`` (a scale per row and column); same dtype as ``w1``."""
+    for j in range(start, stop):
+        s = scale if scale.dim() == 1 else scale[:, j]
+        q = (torch.round(w1[:, j] / s) + zero).clamp(0, maxq)
+        e = (w1[:, j] - (q - zero) * s) / hinv1[j, j]
+        w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
+        codes[:, j] = q.to(torch.int32)
+        err[:, j] = e

@@ -1,0 +1,121 @@
+"""Triton kernel of the GPTQ column sweep (see ``reference.py`` for the definition).
+
+One program owns ``BLOCK_R`` rows of the block and keeps their ``[BLOCK_R, BLOCK_C]`` weights, codes and errors
+in registers while it walks the columns in order, so a block costs one launch instead of several per column.
+Every operation rounds as the PyTorch reference does: correctly rounded divisions, round half to even built
+from ``floor``, and no fused multiply-add (the launcher disables fp fusion), so both agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..host import cdiv, next_power_of_2
+
+BLOCK_R = 16
+MAX_COLUMNS = 256
+"""Widest block the kernel takes (its tile lives in registers); wider blocks use the reference."""
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x)
+    frac = x - r  # exact: r and x share the binade or r is 0
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, r + 1.0, r)
+
+
+@triton.jit
+def _gptq_columns_kernel(
+    W,
+    Q,
+    E,
+    S,
+    H,
+    R,
+    C,
+    start,
+    stop,
+    stride_w,
+    stride_q,
+    stride_e,
+    stride_s,
+    stride_h,
+    zero,
+    maxq,
+    PER_COLUMN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    tile = rmask[:, None] & (cols < C)[None, :]
+    w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=tile, other=0.0)
+    if PER_COLUMN:
+        s_tile = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=tile, other=1.0)
+    else:
+        s_row = tl.load(S + rows, mask=rmask, other=1.0)
+    q_tile = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+    e_tile = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for j in range(start, stop):
+        sel = cols[None, :] == j
+        wj = tl.sum(tl.where(sel, w, 0.0), axis=1)
+        if PER_COLUMN:  # noqa: SIM108 (constexpr branch: s_tile exists only here)
+            sj = tl.sum(tl.where(sel, s_tile, 0.0), axis=1)
+        else:
+            sj = s_row
+        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(wj, sj)) + zero, 0.0), maxq)
+        d = tl.load(H + j * stride_h + j)
+        e = tl.math.div_rn(wj - (q - zero) * sj, d)
+        hrow = tl.load(H + j * stride_h + cols, mask=(cols >= j) & (cols < C), other=0.0)
+        w = w - e[:, None] * hrow[None, :]
+        q_tile = tl.where(sel, q.to(tl.int32)[:, None], q_tile)
+        e_tile = tl.where(sel, e[:, None], e_tile)
+    done = tile & (cols[None, :] >= start) & (cols[None, :] < stop)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q_tile, mask=done)
+    tl.store(E + rows[:, None] * stride_e + cols[None, :], e_tile, mask=done)
+    tl.store(W + rows[:, None] * stride_w + cols[None, :], w, mask=tile & (cols[None, :] >= start))
+
+
+def gptq_columns_triton(
+    w1: torch.Tensor,
+    codes: torch.Tensor,
+    err: torch.Tensor,
+    scale: torch.Tensor,
+    hinv1: torch.Tensor,
+    start: int,
+    stop: int,
+    zero: int,
+    maxq: int,
+) -> None:
+    r, c = w1.shape
+    if stop <= start or r == 0:
+        return
+    grid = (cdiv(r, BLOCK_R),)
+    _gptq_columns_kernel[grid](
+        w1,
+        codes,
+        err,
+        scale,
+        hinv1,
+        r,
+        c,
+        start,
+        stop,
+        w1.stride(0),
+        codes.stride(0),
+        err.stride(0),
+        scale.stride(0),
+        hinv1.stride(0),
+        float(zero),
+        float(maxq),
+        PER_COLUMN=scale.dim() == 2,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=max(16, next_power_of_2(c)),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
