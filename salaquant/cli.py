@@ -245,10 +245,14 @@ def gptq_command(
     layer_bits: Annotated[str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')] = "",
     exclude: Exclude = None,
     smooth_alpha: SmoothAlpha = 0.5,
-    no_smooth: NoSmooth = False,
+    smooth: Annotated[
+        bool, typer.Option("--smooth/--no-smooth", help="SmoothQuant before GPTQ (off by default for weight-only).")
+    ] = False,
     damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = 0.01,
     act_order: Annotated[bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")] = False,
-    mse: Annotated[bool, typer.Option(help="Search clipped scales minimising the squared error.")] = False,
+    mse: Annotated[
+        bool, typer.Option("--mse/--no-mse", help="Search clipped scales minimising the squared error.")
+    ] = True,
     fp64: Annotated[bool, typer.Option(help="Accumulate Hessians and solve in float64.")] = False,
     hessian_weighting: Annotated[str, typer.Option(help="samples (each sample weighs the same) or tokens.")] = (
         "samples"
@@ -284,7 +288,7 @@ def gptq_command(
                 seed=seed,
                 field=field,
             ),
-            smoothing=Smoothing(enabled=not no_smooth, alpha=smooth_alpha),
+            smoothing=Smoothing(enabled=smooth, alpha=smooth_alpha),
             quantization=Quantization(
                 bits=bits,
                 group_size=group_size,

@@ -211,7 +211,7 @@ def table(result: dict[str, Any]) -> Table:
     ev = result["eval"]
     title = (
         f"held-out {ev['windows']} x {ev['window_tokens']} tokens, dense attention, {result['device']}\n"
-        "GPTQ: SmoothQuant + GPTQ, int4 g128; NVFP4: sparse-attention blocks kept bf16; dense-all: those too"
+        "GPTQ: full-Hessian GPTQ, MSE scales, int4 g128; NVFP4: sparse-attention blocks kept bf16; dense-all: those too"
     )
     t = Table(title=title)
     for col in ("variant", "size MB", "ppl", "ppl increase", "KL(bf16||q)", "top-1 agree", "collapse check"):

@@ -39,7 +39,7 @@ class Calibration(_Section):
 
 
 class Smoothing(_Section):
-    enabled: bool = True
+    enabled: bool | None = Field(None, description="default: off for gptq and rtn, on for nvfp4")
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     groups: list[str] | None = Field(None, description="default: all the method's groups")
 
@@ -73,7 +73,7 @@ class GPTQSection(_Section):
     damp: float = Field(0.01, gt=0.0, le=1.0)
     block_size: int = Field(128, ge=1)
     act_order: bool = False
-    mse: bool = False
+    mse: bool = True
     fp64: bool = False
     hessian_weighting: Literal["samples", "tokens"] = "samples"
     quantize_lm_head: bool = False

@@ -37,8 +37,9 @@ def calib_options(r: Recipe) -> CalibOptions:
     )
 
 
-def _smooth(r: Recipe, default: tuple[str, ...]) -> tuple[float | None, tuple[str, ...]]:
-    alpha = r.smoothing.alpha if r.smoothing.enabled else None
+def _smooth(r: Recipe, default: tuple[str, ...], on_by_default: bool) -> tuple[float | None, tuple[str, ...]]:
+    enabled = on_by_default if r.smoothing.enabled is None else r.smoothing.enabled
+    alpha = r.smoothing.alpha if enabled else None
     groups = tuple(r.smoothing.groups) if r.smoothing.groups is not None else default
     return alpha, groups
 
@@ -68,7 +69,7 @@ def run_recipe(
         from .gptq.plan import BitsOptions, BitsRule, PlanError
 
         g = recipe.gptq
-        alpha, groups = _smooth(recipe, GPTQ_GROUPS)
+        alpha, groups = _smooth(recipe, GPTQ_GROUPS, on_by_default=False)
         bits = BitsOptions(
             bits=q.bits,
             group_size=q.group_size,
@@ -122,7 +123,7 @@ def run_recipe(
         from .nvfp4.layer import NVFP4LayerOptions
 
         n = recipe.nvfp4
-        alpha, groups = _smooth(recipe, NVFP4_GROUPS)
+        alpha, groups = _smooth(recipe, NVFP4_GROUPS, on_by_default=True)
         layer4 = NVFP4LayerOptions(
             mse_iters=n.mse_iters, mse_max_shrink=n.mse_max_shrink, smooth_alpha=alpha, smooth_groups=groups
         )

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
-from salaquant.kernels.gptq import gptq_columns, gptq_columns_reference
+from salaquant.kernels.gptq import best_scale, gptq_columns, gptq_columns_reference
 
-from salaquant.gptq.solver import GPTQConfig, gptq
+from salaquant.gptq.solver import GPTQConfig, gptq, mse_scales
 
 CUDA = torch.cuda.is_available()
 try:
@@ -160,3 +160,65 @@ def test_gpu_gptq_kernel_matches_reference() -> None:
         b = gptq(w, h, GPTQConfig(backend="reference", act_order=act_order))
         assert torch.equal(a.weight.codes, b.weight.codes)
         assert torch.equal(a.weight.scales, b.weight.scales)
+
+
+def _scale_errors(w: torch.Tensor, cands: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Squared rounding error of each row under its chosen candidate, in float64 (independent of both backends)."""
+    s = cands.gather(0, idx[None]).squeeze(0).double()[:, None]
+    q = (torch.round(w.double() / s) + 8).clamp(0, 15)
+    return ((q - 8) * s - w.double()).pow(2).sum(1)
+
+
+@needs_triton
+@pytest.mark.parametrize(("r", "n"), [(45, 128), (33, 40)])
+def test_scale_search_kernel_picks_the_reference_choice(r: int, n: int) -> None:
+    g = torch.Generator().manual_seed(r)
+    w = torch.randn(r, n, generator=g) * torch.rand(r, 1, generator=g)
+    # Row 0: evenly spread values and one outlier at -3. At the max-abs scale (0.4) the spread values cost about
+    # 127 * 0.4^2 / 12 = 1.7; at 0.8 of it the outlier (on the longer negative side, -8 steps) costs (3 - 2.56)^2
+    # = 0.19 and the rest about 1.1, so the search must clip.
+    w[0] = torch.linspace(-1, 1, n)
+    w[0, 0] = -3.0
+    shrink = torch.linspace(1.0, 0.2, 41)
+    cands = ((2 * w.abs().amax(1))[None, :] * shrink[:, None] / 15).to(torch.float16).float()
+    got = best_scale(w, cands, 8, 15, backend="triton")
+    want = best_scale(w, cands, 8, 15, backend="reference")
+    # Same choice wherever the best two candidates are not tied to rounding; never a worse error.
+    assert (got == want).float().mean() >= 0.95
+    e_got, e_want = _scale_errors(w, cands, got), _scale_errors(w, cands, want)
+    assert torch.all(e_got <= e_want * (1 + 1e-5) + 1e-12)
+    assert int(got[0]) > 0  # the outlier row clips
+    # Every candidate's error against the chosen one: the choice is a minimum of the independent float64 errors.
+    all_err = torch.stack([_scale_errors(w, cands, torch.full((r,), c)) for c in range(cands.shape[0])])
+    assert torch.all(e_got <= all_err.min(0).values * (1 + 1e-5) + 1e-12)
+
+
+def test_scale_search_prefers_the_larger_scale_on_ties() -> None:
+    """A row on the integer grid of the max-abs scale: every smaller candidate that gives the same zero error
+    (none here) or more loses, so index 0 wins; an all-zero row ties everywhere and also takes index 0."""
+    w = torch.tensor([[0.0, 1.0, -2.0, 3.0, 7.0, -8.0] + [0.0] * 10, [0.0] * 16])
+    cands = torch.tensor([[16 / 15 * 7.5 / 8, 1.0], [0.9, 0.9], [0.5, 0.5]])
+    cands[0, 0] = 1.0
+    idx = best_scale(w, cands, 8, 15, backend="reference")
+    assert idx.tolist() == [0, 0]
+
+
+@needs_triton
+def test_mse_scales_on_both_backends() -> None:
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    a = mse_scales(w, 4, backend="triton")
+    b = mse_scales(w, 4, backend="reference")
+    assert a.dtype == torch.float16 and (a == b).float().mean() >= 0.95
+
+
+@needs_cuda
+def test_gpu_mse_solve_close_to_reference() -> None:
+    """GPTQ with MSE scales at a SALA shape: the kernels' search agrees with the PyTorch one on nearly every
+    (row, group), and the solution's loss is the same to 0.1%."""
+    n, out = 2048, 1024
+    w = (torch.randn(out, n, generator=torch.Generator().manual_seed(7)) * 0.02).cuda()
+    h = _hessian(n, seed=8, device="cuda")
+    a = gptq(w, h, GPTQConfig(backend="triton", mse=True))
+    b = gptq(w, h, GPTQConfig(backend="reference", mse=True))
+    assert (a.weight.scales == b.weight.scales).float().mean() >= 0.99
+    assert abs(a.loss - b.loss) <= 1e-3 * b.loss

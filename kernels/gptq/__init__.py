@@ -1,7 +1,9 @@
-"""The GPTQ column sweep of one block of columns, on the GPU as one Triton launch per block.
+"""GPTQ on the GPU: the column sweep of one block of columns (one Triton launch per block) and the clipped-scale
+search of one group (every candidate scored in registers, the weights read once).
 
-``gptq_columns`` dispatches between the Triton kernel (``triton_kernels``, imported on first use) and the
-PyTorch reference (``reference``); both compute the same bits.
+``gptq_columns`` and ``best_scale`` dispatch between the Triton kernels (``triton_kernels``, imported on first
+use) and the PyTorch references (``reference``). The sweep computes the same bits on both; the search sums the
+squared errors in another order, so rows whose best candidates tie to the last bits may pick a neighbour.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import os
 
 import torch
 
-from .reference import gptq_columns_reference
+from .reference import best_scale_reference, gptq_columns_reference
 
-__all__ = ["BACKENDS", "gptq_columns", "gptq_columns_reference"]
+__all__ = ["BACKENDS", "best_scale", "best_scale_reference", "gptq_columns", "gptq_columns_reference"]
 
 BACKENDS = ("auto", "triton", "reference")
 """``auto``: Triton for float32 CUDA blocks up to 256 columns wide, the reference otherwise. ``triton``: always
@@ -67,3 +69,33 @@ def gptq_columns(
     from .triton_kernels import gptq_columns_triton
 
     gptq_columns_triton(w1, codes, err, scale, hinv1, start, stop, zero, maxq)
+
+
+SEARCH_BATCH_ELEMENTS = 1 << 25
+"""Elements of ``w`` times candidates the reference scores at once (bounds its temporary memory)."""
+
+
+def best_scale(w: torch.Tensor, candidates: torch.Tensor, zero: int, maxq: int, backend: str = "auto") -> torch.Tensor:
+    """Index (int64 ``[R]``) of the candidate scale (``candidates [k, R]``) with the least squared rounding error
+    on each row of ``w [R, n]``; ties go to the lowest index (see ``reference.best_scale_reference``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if w.dim() != 2 or candidates.dim() != 2 or candidates.shape[1] != w.shape[0] or candidates.dtype != w.dtype:
+        raise ValueError(
+            f"w {tuple(w.shape)} and candidates {tuple(candidates.shape)} {candidates.dtype}: expected [R, n] and "
+            f"[k, R] of w's dtype {w.dtype}"
+        )
+    if backend == "auto":
+        from .triton_kernels import MAX_SEARCH_COLUMNS
+
+        fits = w.is_cuda and w.dtype == torch.float32 and w.shape[1] <= MAX_SEARCH_COLUMNS
+        backend = "triton" if fits else "reference"
+    if backend == "reference":
+        return best_scale_reference(w, candidates, zero, maxq, SEARCH_BATCH_ELEMENTS)
+    if not w.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    if w.dtype != torch.float32:
+        raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
+    from .triton_kernels import best_scale_triton
+
+    return best_scale_triton(w.contiguous(), candidates.contiguous(), zero, maxq)

@@ -38,3 +38,21 @@ def gptq_columns_reference(
         w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
         codes[:, j] = q.to(torch.int32)
         err[:, j] = e
+
+
+def best_scale_reference(
+    w: torch.Tensor, candidates: torch.Tensor, zero: int, maxq: int, batch_elements: int
+) -> torch.Tensor:
+    """Index (int64 ``[R]``) of the candidate scale with the least squared rounding error per row of ``w [R, n]``.
+
+    ``candidates [k, R]`` holds ``k`` scales per row (same dtype as ``w``); the error of candidate ``c`` on row ``r``
+    is ``sum_i ((clamp(round(w_ri / s) + zero, 0, maxq) - zero) * s - w_ri)^2`` with ``s = candidates[c, r]``.
+    Ties go to the lowest index. Candidates are scored ``batch_elements // w.numel()`` at a time.
+    """
+    batch = max(1, batch_elements // max(1, w.numel()))
+    errs = []
+    for b in range(0, candidates.shape[0], batch):
+        sc = candidates[b : b + batch][:, :, None]
+        q = (torch.round(w[None] / sc) + zero).clamp(0, maxq)
+        errs.append(((q - zero) * sc - w[None]).pow(2).sum(-1))
+    return torch.cat(errs).argmin(dim=0)

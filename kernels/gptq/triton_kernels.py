@@ -1,4 +1,5 @@
-"""Triton kernel of the GPTQ column sweep (see ``reference.py`` for the definition).
+"""Triton kernels of the GPTQ column sweep and of the clipped-scale search (see ``reference.py`` for both
+definitions).
 
 One program owns ``BLOCK_R`` rows of the block and keeps their ``[BLOCK_R, BLOCK_C]`` weights, codes and errors
 in registers while it walks the columns in order, so a block costs one launch instead of several per column.
@@ -119,3 +120,54 @@ def gptq_columns_triton(
         num_warps=4,
         enable_fp_fusion=False,
     )
+
+
+MAX_SEARCH_COLUMNS = 256
+"""Widest group the scale-search kernel takes; wider ones use the reference."""
+SEARCH_BLOCK_R = 32
+
+
+@triton.jit
+def _best_scale_kernel(
+    W, S, OUT, R, N, K, stride_w, stride_s, zero, maxq, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < R
+    tile = rmask[:, None] & (cols < N)[None, :]
+    w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=tile, other=0.0)
+    best_err = tl.full([BLOCK_R], float("inf"), dtype=tl.float32)
+    best = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c in range(K):
+        s = tl.load(S + c * stride_s + rows, mask=rmask, other=1.0)
+        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(w, s[:, None])) + zero, 0.0), maxq)
+        d = (q - zero) * s[:, None] - w
+        err = tl.sum(tl.where(tile, d * d, 0.0), axis=1)
+        better = err < best_err
+        best_err = tl.where(better, err, best_err)
+        best = tl.where(better, c, best)
+    tl.store(OUT + rows, best, mask=rmask)
+
+
+def best_scale_triton(w: torch.Tensor, candidates: torch.Tensor, zero: int, maxq: int) -> torch.Tensor:
+    r, n = w.shape
+    out = torch.empty(r, dtype=torch.int32, device=w.device)
+    if r == 0:
+        return out.long()
+    _best_scale_kernel[(cdiv(r, SEARCH_BLOCK_R),)](
+        w,
+        candidates,
+        out,
+        r,
+        n,
+        candidates.shape[0],
+        w.stride(0),
+        candidates.stride(0),
+        float(zero),
+        float(maxq),
+        BLOCK_R=SEARCH_BLOCK_R,
+        BLOCK_N=max(16, next_power_of_2(n)),
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out.long()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.gptq import BACKENDS, gptq_columns
+from ..kernels.gptq import BACKENDS, best_scale, gptq_columns
 
 _FP16 = torch.finfo(torch.float16)
 
@@ -132,35 +132,27 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: int, dtype: torch.d
     return (codes - zero).to(dtype) * scale
 
 
-def mse_scales(w: torch.Tensor, bits: int, grid: int = 100, maxshrink: float = 0.8) -> torch.Tensor:
+def mse_scales(
+    w: torch.Tensor, bits: int, grid: int = 100, maxshrink: float = 0.8, backend: str = "auto"
+) -> torch.Tensor:
     """Per-row float16 scales of ``w`` [out, n] minimising the squared quantization error.
 
     Candidates are ``p * max|w|`` for ``p = 1 - i / grid``, ``i = 0 .. round(maxshrink * grid)`` (each scale
     rounded to float16 before it is scored); ties keep the larger scale, so ``p = 1`` (plain symmetric scales)
-    is never beaten by an equal error. Candidates are scored in batches (one broadcast per batch).
+    is never beaten by an equal error. Scored by ``salaquant.kernels.gptq.best_scale`` (``backend``).
     """
     w = _as_float(w)
     zero, maxq = 2 ** (bits - 1), 2**bits - 1
     xmax = w.abs().amax(dim=1)
     shrink = torch.tensor([1 - i / grid for i in range(round(maxshrink * grid) + 1)], dtype=w.dtype, device=w.device)
     cands = _fp16_scale(2 * (shrink[:, None] * xmax[None, :]) / maxq)  # [k, out] float16
-    batch = max(1, _MSE_BATCH_ELEMENTS // max(1, w.numel()))
-    errs = []
-    for b in range(0, cands.shape[0], batch):
-        sc = cands[b : b + batch].to(w.dtype)[:, :, None]
-        q = (torch.round(w[None] / sc) + zero).clamp(0, maxq)
-        errs.append(((q - zero) * sc - w[None]).pow(2).sum(-1))
-    best = torch.cat(errs).argmin(dim=0)  # the first (largest) candidate among equal errors
+    best = best_scale(w, cands.to(w.dtype), zero, maxq, backend)
     return cands.gather(0, best[None]).squeeze(0)
-
-
-_MSE_BATCH_ELEMENTS = 1 << 25
-"""Elements of ``w`` times candidates scored at once by ``mse_scales`` (bounds its temporary memory)."""
 
 
 def _group_scale(w: torch.Tensor, config: GPTQConfig) -> torch.Tensor:
     if config.mse:
-        return mse_scales(w, config.bits, config.mse_grid, config.mse_maxshrink)
+        return mse_scales(w, config.bits, config.mse_grid, config.mse_maxshrink, config.backend)
     return symmetric_scales(w, config.bits)
 
 
