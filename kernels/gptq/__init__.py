@@ -20,6 +20,27 @@ BACKENDS = ("auto", "triton", "reference")
 """``auto``: Triton for float32 CUDA blocks up to 256 columns wide, the reference otherwise. ``triton``: always
 the kernel (CPU tensors only under TRITON_INTERPRET=1). ``reference``: plain PyTorch."""
 
+MAX_COLUMNS = 256
+"""Widest block the column-sweep kernel takes (its tile lives in registers); ``auto`` uses the reference beyond."""
+MAX_SEARCH_COLUMNS = 256
+"""Widest group the scale-search kernel takes; ``auto`` uses the reference beyond."""
+
+
+def _backend(backend: str, w: torch.Tensor, max_columns: int) -> str:
+    """The backend that runs on ``w [R, n]``: ``auto`` takes Triton for float32 CUDA tensors at most
+    ``max_columns`` wide; an explicit ``triton`` is checked to be able to run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        fits = w.is_cuda and w.dtype == torch.float32 and w.shape[1] <= max_columns
+        return "triton" if fits else "reference"
+    if backend == "triton":
+        if not w.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+        if w.dtype != torch.float32:
+            raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
+    return backend
+
 
 def _check(w1: torch.Tensor, codes: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, hinv1: torch.Tensor) -> None:
     r, c = w1.shape
@@ -48,21 +69,10 @@ def gptq_columns(
 ) -> None:
     """Quantize columns ``start .. stop - 1`` of the block ``w1 [R, C]`` in order, in place (see
     ``reference.gptq_columns_reference`` for the exact arithmetic)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check(w1, codes, err, scale, hinv1)
-    if backend == "auto":
-        from .triton_kernels import MAX_COLUMNS
-
-        fits = w1.is_cuda and w1.dtype == torch.float32 and w1.shape[1] <= MAX_COLUMNS
-        backend = "triton" if fits else "reference"
-    if backend == "reference":
+    if _backend(backend, w1, MAX_COLUMNS) == "reference":
         gptq_columns_reference(w1, codes, err, scale, hinv1, start, stop, zero, maxq)
         return
-    if not w1.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
-    if w1.dtype != torch.float32:
-        raise ValueError(f"the Triton backend computes in float32, got {w1.dtype}")
     for t in (w1, codes, err, hinv1, scale):
         if t.stride(-1) != 1:
             raise ValueError("every operand needs unit stride along its last dimension")
@@ -78,24 +88,13 @@ SEARCH_BATCH_ELEMENTS = 1 << 25
 def best_scale(w: torch.Tensor, candidates: torch.Tensor, zero: int, maxq: int, backend: str = "auto") -> torch.Tensor:
     """Index (int64 ``[R]``) of the candidate scale (``candidates [k, R]``) with the least squared rounding error
     on each row of ``w [R, n]``; ties go to the lowest index (see ``reference.best_scale_reference``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if w.dim() != 2 or candidates.dim() != 2 or candidates.shape[1] != w.shape[0] or candidates.dtype != w.dtype:
         raise ValueError(
             f"w {tuple(w.shape)} and candidates {tuple(candidates.shape)} {candidates.dtype}: expected [R, n] and "
             f"[k, R] of w's dtype {w.dtype}"
         )
-    if backend == "auto":
-        from .triton_kernels import MAX_SEARCH_COLUMNS
-
-        fits = w.is_cuda and w.dtype == torch.float32 and w.shape[1] <= MAX_SEARCH_COLUMNS
-        backend = "triton" if fits else "reference"
-    if backend == "reference":
+    if _backend(backend, w, MAX_SEARCH_COLUMNS) == "reference":
         return best_scale_reference(w, candidates, zero, maxq, SEARCH_BATCH_ELEMENTS)
-    if not w.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
-    if w.dtype != torch.float32:
-        raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
     from .triton_kernels import best_scale_triton
 
     return best_scale_triton(w.contiguous(), candidates.contiguous(), zero, maxq)

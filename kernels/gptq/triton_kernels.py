@@ -16,8 +16,6 @@ import triton.language as tl
 from ..host import cdiv, next_power_of_2
 
 BLOCK_R = 16
-MAX_COLUMNS = 256
-"""Widest block the kernel takes (its tile lives in registers); wider blocks use the reference."""
 
 
 @triton.jit
@@ -122,8 +120,6 @@ def gptq_columns_triton(
     )
 
 
-MAX_SEARCH_COLUMNS = 256
-"""Widest group the scale-search kernel takes; wider ones use the reference."""
 SEARCH_BLOCK_R = 32
 
 

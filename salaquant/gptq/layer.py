@@ -133,9 +133,10 @@ class GPTQLayerQuantizer:
         seconds = time.perf_counter() - t0
         w_hat = result.weight.dequantize()
         # Per-row diagnostics, three products for the whole stack: the solution's error, RTN's, and the output energy.
-        row_loss = result.row_loss if result.row_loss is not None else row_weighted_errors(w, w_hat, h)
-        row_rtn = row_weighted_errors(w, w_rtn_q.dequantize(), h)
-        row_total = row_weighted_errors(w, None, h)
+        h64 = h.to(torch.float64)  # converted once for the three products
+        row_loss = result.row_loss if result.row_loss is not None else row_weighted_errors(w, w_hat, h64)
+        row_rtn = row_weighted_errors(w, w_rtn_q.dequantize(), h64)
+        row_total = row_weighted_errors(w, None, h64)
         row = 0
         for name, mod in zip(members, mods, strict=True):
             out = mod.weight.shape[0]

@@ -46,7 +46,7 @@ class GPTQConfig:
     mse_grid: int = 100
     mse_maxshrink: float = 0.8
     fp64: bool = False
-    backend: str = "auto"  # the column sweep: "auto", "triton" or "reference" (see salaquant.kernels.gptq)
+    backend: str = "auto"  # column sweep and scale search: "auto", "triton" or "reference" (salaquant.kernels.gptq)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -123,13 +123,6 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: int, bits: int) -
     if scale.dim() == 1 and w.dim() == 2:
         scale = scale[:, None]
     return (torch.round(w / scale) + zero).clamp(0, 2**bits - 1).to(torch.int32)
-
-
-def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: int, dtype: torch.dtype) -> torch.Tensor:
-    scale = scale.to(dtype)
-    if scale.dim() == 1 and codes.dim() == 2:
-        scale = scale[:, None]
-    return (codes - zero).to(dtype) * scale
 
 
 def mse_scales(
