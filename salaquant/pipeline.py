@@ -7,6 +7,11 @@ statistics to the quantizer, then propagate the samples through the layer the qu
 through the float layer). Hidden states stay in CPU memory between layers. Each finished layer is
 recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
 resumes after the last finished layer and produces the same bytes as an uninterrupted one.
+
+Where the hidden states live: on the GPU when a layer's inputs and outputs together fit in
+``EngineOptions.gpu_hidden_gib`` (no copies at all), otherwise in pinned CPU memory, with one set of buffers
+reused by every other layer (no allocation per layer) and the copies queued behind the compute without a wait
+per sample. Either way the values, and so the results, are the same.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .background import BackgroundWriter
@@ -35,6 +40,7 @@ from .model.layout import InputGroup, input_groups
 from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
+from .safetensors_stream import write_safetensors
 from .stats import GroupStats, LayerStats
 
 log = logging.getLogger("salaquant.pipeline")
@@ -49,7 +55,7 @@ class ResumeError(RuntimeError):
 @dataclass
 class EngineOptions:
     """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory``,
-    ``background_writes`` and ``resume_every`` enters the resume fingerprint."""
+    ``background_writes``, ``resume_every`` and ``gpu_hidden_gib`` enters the resume fingerprint."""
 
     device: str = "auto"
     chunk_tokens: int = 8192
@@ -65,10 +71,13 @@ class EngineOptions:
     background_writes: bool = True  # write layer i's files while layer i + 1 computes
     attention_kernels: bool = True  # GLA through salaquant.kernels (Triton on CUDA, the reference elsewhere)
     resume_every: int = 4  # hidden states (the resume point) written after every N-th layer and the last one
+    # Hidden states stay on the GPU when a layer's inputs plus outputs (2 x tokens x hidden x 2 bytes) fit in this
+    # many GiB; above it (or at 0) they live in CPU memory and stream through the GPU.
+    gpu_hidden_gib: float = 8.0
 
     def fingerprint_fields(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every"):
+        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every", "gpu_hidden_gib"):
             d.pop(key)
         return d
 
@@ -120,7 +129,7 @@ def model_fingerprint(reader: CheckpointReader) -> str:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    write_safetensors(tensors, tmp)
     os.replace(tmp, path)
 
 
@@ -183,6 +192,8 @@ class CalibrationEngine:
             raise ValueError("chunk_tokens must be >= 1")
         if self.opts.resume_every < 1:
             raise ValueError("resume_every must be >= 1")
+        if self.opts.gpu_hidden_gib < 0:
+            raise ValueError("gpu_hidden_gib must be >= 0")
         self.device = resolve_device(self.opts.device)
         self.settings = settings or {}
         self.fingerprint = hashlib.sha256(
@@ -198,6 +209,10 @@ class CalibrationEngine:
             ).encode()
         ).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
+        total = sum(s.numel() for s in self.samples) * self.config.hidden_size * self.dtype.itemsize
+        # True: the hidden states stay on the compute device between layers.
+        self.resident = self.device.type != "cpu" and 2 * total <= self.opts.gpu_hidden_gib * 2**30
+        self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
 
     # ------------------------------------------------------------------ state
     def _state_path(self) -> Path:
@@ -234,23 +249,36 @@ class CalibrationEngine:
 
     # ------------------------------------------------------------------ compute
     @torch.no_grad()
-    def _run_sample(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
-        """One sample [1, T, hidden] (CPU) through one layer in token chunks; returns CPU output."""
+    def _run_sample(self, layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor | None) -> None:
+        """One sample [1, T, hidden] through one layer in token chunks, into ``out`` (None: outputs dropped).
+
+        Copies to and from CPU buffers are queued on the compute stream without waiting; `_sync` ends a pass.
+        """
         cache = LightningLayerCache() if layer.kind == LIGHTNING else SparseLayerCache()
         t = h.shape[1]
-        out = self._alloc(h)
         for start in range(0, t, self.opts.chunk_tokens):
             n = min(self.opts.chunk_tokens, t - start)
             x = h[:, start : start + n].to(self.device, non_blocking=True)
             y = layer(x, layer_rope(self.config, layer.kind, start, n, self.device), cache, self.opts.attention_mode)
-            out[:, start : start + n].copy_(y, non_blocking=True)
+            if out is not None:
+                out[:, start : start + n].copy_(y, non_blocking=True)
+
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return out
 
     def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+        if self.resident:
+            return torch.empty(like.shape, dtype=like.dtype, device=self.device)
         pin = self.opts.pin_memory and self.device.type == "cuda"
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+
+    def _outputs(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Buffers for one layer's outputs: the spare CPU set (the inputs of the layer before) when there is one."""
+        spare, self._spare = self._spare, None
+        if spare is not None and [s.shape for s in spare] == [h.shape for h in hs]:
+            return spare
+        return [self._alloc(h) for h in hs]
 
     def _embed(self) -> list[torch.Tensor]:
         weight = load_global(self.reader, self.config, "model.embed_tokens.weight", self.device)
@@ -261,10 +289,18 @@ class CalibrationEngine:
             buf.copy_(e[None])
             hs.append(buf)
         del weight
+        self._sync()
         return hs
 
     def _save_hidden(self, hs: list[torch.Tensor]) -> None:
-        _atomic_save({f"s{i:06d}": h for i, h in enumerate(hs)}, self.work_dir / "hidden.safetensors")
+        path = self.work_dir / "hidden.safetensors"
+        named = {f"s{i:06d}": h for i, h in enumerate(hs)}
+        if self.resident and self.device.type == "cuda":
+            # The device-to-host copies run on a side stream of this (writer) thread, beside the next layer's work.
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                _atomic_save(named, path)
+        else:
+            _atomic_save(named, path)
 
     def _load_hidden(self) -> list[torch.Tensor]:
         loaded = load_file(self.work_dir / "hidden.safetensors")
@@ -323,10 +359,14 @@ class CalibrationEngine:
         try:
             for i in range(finished, n_layers):
                 t_layer = time.perf_counter()
+                inputs = hs
                 hs, files = self._layer(i, hs, quantizer, progress, timings)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
                 writer.drain()
+                if not self.resident:
+                    self._spare = inputs  # nothing reads them any more: the writer is done with them
+                del inputs
                 writer.submit(self._persist_layer, i, files, hs)
                 timings["save"] += time.perf_counter() - t0
                 progress.layer_done(i)
@@ -357,20 +397,18 @@ class CalibrationEngine:
         timings["load"] += time.perf_counter() - t0
         groups = input_groups(cfg, layer.kind)
         need_stats = quantizer is not None or self.opts.hessian
-        float_out: list[torch.Tensor] | None = None
 
         t0 = time.perf_counter()
         collector = _GroupCollector(layer, groups, self.device, self.opts) if need_stats else None
         keep_float = self.opts.propagate == "float" or quantizer is None
-        float_out = [] if keep_float else None
         progress.phase(i, layer.kind, "statistics")
+        float_out = self._outputs(hs) if keep_float else None
         for j, h in enumerate(hs):
-            y = self._run_sample(layer, h)
+            self._run_sample(layer, h, float_out[j] if float_out is not None else None)
             if collector is not None:
                 collector.end_sample()
-            if float_out is not None:
-                float_out.append(y)
             progress.sample_done(j, h.shape[1])
+        self._sync()
         if collector is not None:
             collector.remove()
         timings["stats_forward"] += time.perf_counter() - t0
@@ -403,10 +441,11 @@ class CalibrationEngine:
             qlayer = result.layer if result.layer is not None else layer
             if self.opts.attention_kernels and qlayer is not layer:
                 use_layer_kernels(qlayer)
-            out = []
+            out = self._outputs(hs)
             for j, h in enumerate(hs):
-                out.append(self._run_sample(qlayer, h))
+                self._run_sample(qlayer, h, out[j])
                 progress.sample_done(j, h.shape[1])
+            self._sync()
             timings["propagate"] += time.perf_counter() - t0
         del layer, result
         log.info("layer %d (%s) done", i, cfg.mixer_types[i])
