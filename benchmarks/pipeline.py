@@ -75,9 +75,7 @@ def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_quantizer(
-    method: str, model: Path, calib: Path, out: Path, device: str, max_len: int, gpu_hidden_gib: float
-) -> dict[str, Any]:
+def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str, max_len: int) -> dict[str, Any]:
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
@@ -90,10 +88,10 @@ def run_quantizer(
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     if method == "gptq":
-        run = RunOptions(device=device, show_progress=False, overwrite=True, gpu_hidden_gib=gpu_hidden_gib)
+        run = RunOptions(device=device, show_progress=False, overwrite=True)
         run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
     else:
-        run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True, gpu_hidden_gib=gpu_hidden_gib)
+        run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
         run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
@@ -142,9 +140,6 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["gptq", "nvfp4"], choices=["gptq", "nvfp4"])
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 rate used for the floor")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
-    ap.add_argument(
-        "--gpu-hidden-gib", type=float, default=8.0, help="hidden states stay on the GPU up to this (0: CPU offload)"
-    )
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +171,7 @@ def main() -> None:
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             profiler.enable()
-        r = run_quantizer(method, model, calib, out, device, max_len, args.gpu_hidden_gib)
+        r = run_quantizer(method, model, calib, out, device, max_len)
         if profiler is not None:
             profiler.disable()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -190,9 +185,7 @@ def main() -> None:
         r["generate"] = generate_check(out, device)
         res[method] = r
         print(json.dumps({method: r}, indent=2), flush=True)
-    hidden_bytes = sum(lengths) * cfg.hidden_size * 2
-    res["hidden_state_gib"] = round(hidden_bytes / 2**30, 2)
-    res["hidden_states_on_gpu"] = device == "cuda" and 2 * hidden_bytes <= args.gpu_hidden_gib * 2**30
+    res["hidden_state_gib"] = round(sum(lengths) * cfg.hidden_size * 2 / 2**30, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pipeline-{args.preset}.json").write_text(json.dumps(res, indent=2))
     if not args.keep:

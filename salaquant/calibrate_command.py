@@ -23,7 +23,6 @@ def run_calibrate(
     *,
     chunk_tokens: int,
     device: str,
-    gpu_hidden_gib: float = 8.0,
     hessian: bool,
     hessian_dtype: str,
     resume: bool,
@@ -38,7 +37,6 @@ def run_calibrate(
     opts = EngineOptions(
         device=device,
         chunk_tokens=chunk_tokens,
-        gpu_hidden_gib=gpu_hidden_gib,
         propagate="float",
         hessian=True,
         hessian_dtype=hessian_dtype,

@@ -36,10 +36,6 @@ Seed = Annotated[int, typer.Option(help="Shuffle seed.")]
 Field = Annotated[str | None, typer.Option(help="Record field holding the text.")]
 ChunkTokens = Annotated[int, typer.Option(help="Tokens per chunk for long samples.")]
 Device = Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")]
-GpuHiddenGib = Annotated[
-    float,
-    typer.Option(help="Keep hidden states on the GPU when a layer's inputs + outputs fit in this many GiB (0: CPU)."),
-]
 Resume = Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")]
 Overwrite = Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")]
 ShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")]
@@ -200,7 +196,6 @@ def calibrate(
     seed: Seed = 0,
     field: Field = None,
     chunk_tokens: ChunkTokens = 8192,
-    gpu_hidden_gib: GpuHiddenGib = 8.0,
     device: Device = "auto",
     hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
     hessian_dtype: Annotated[str, typer.Option(help="fp32 or fp64 accumulation.")] = "fp32",
@@ -221,7 +216,6 @@ def calibrate(
             calib,
             options,
             chunk_tokens=chunk_tokens,
-            gpu_hidden_gib=gpu_hidden_gib,
             device=device,
             hessian=hessian,
             hessian_dtype=hessian_dtype,
@@ -269,7 +263,6 @@ def gptq_command(
     quantize_lm_head: Annotated[bool, typer.Option(help="Quantize lm_head too.")] = False,
     propagate: Propagate = "quantized",
     chunk_tokens: ChunkTokens = 8192,
-    gpu_hidden_gib: GpuHiddenGib = 8.0,
     device: Device = "auto",
     tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = 1,
     marlin_fallback: Annotated[
@@ -312,7 +305,7 @@ def gptq_command(
                 hessian_weighting=hessian_weighting,
                 quantize_lm_head=quantize_lm_head,
             ),
-            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate, gpu_hidden_gib=gpu_hidden_gib),
+            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
             export=Export(shard_size=shard_size, tp=tp, marlin_fallback=marlin_fallback),
         )
 
@@ -338,7 +331,6 @@ def nvfp4_command(
     no_smooth: NoSmooth = False,
     propagate: Propagate = "quantized",
     chunk_tokens: ChunkTokens = 8192,
-    gpu_hidden_gib: GpuHiddenGib = 8.0,
     device: Device = "auto",
     shard_size: ShardSize = "4GB",
     save_recipe: SaveRecipe = None,
@@ -364,7 +356,7 @@ def nvfp4_command(
             nvfp4=NVFP4Section(
                 dense_all=dense_all, exclude=exclude or [], mse_iters=mse_iters, mse_max_shrink=mse_max_shrink
             ),
-            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate, gpu_hidden_gib=gpu_hidden_gib),
+            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
             export=Export(shard_size=shard_size),
         )
 

@@ -8,10 +8,9 @@ through the float layer). Hidden states stay in CPU memory between layers. Each 
 recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
 resumes after the last finished layer and produces the same bytes as an uninterrupted one.
 
-Where the hidden states live: on the GPU when a layer's inputs and outputs together fit in
-``EngineOptions.gpu_hidden_gib`` (no copies at all), otherwise in pinned CPU memory, with one set of buffers
-reused by every other layer (no allocation per layer) and the copies queued behind the compute without a wait
-per sample. Either way the values, and so the results, are the same.
+The hidden states live in pinned CPU memory: two sets of buffers (a layer's inputs and its outputs) that swap
+roles from layer to layer (no allocation per layer), with the copies queued behind the compute and one wait per
+pass, not per sample.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class ResumeError(RuntimeError):
 @dataclass
 class EngineOptions:
     """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory``,
-    ``background_writes``, ``resume_every`` and ``gpu_hidden_gib`` enters the resume fingerprint."""
+    ``background_writes`` and ``resume_every`` enters the resume fingerprint."""
 
     device: str = "auto"
     chunk_tokens: int = 8192
@@ -71,13 +70,10 @@ class EngineOptions:
     background_writes: bool = True  # write layer i's files while layer i + 1 computes
     attention_kernels: bool = True  # GLA through salaquant.kernels (Triton on CUDA, the reference elsewhere)
     resume_every: int = 4  # hidden states (the resume point) written after every N-th layer and the last one
-    # Hidden states stay on the GPU when a layer's inputs plus outputs (2 x tokens x hidden x 2 bytes) fit in this
-    # many GiB; above it (or at 0) they live in CPU memory and stream through the GPU.
-    gpu_hidden_gib: float = 8.0
 
     def fingerprint_fields(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every", "gpu_hidden_gib"):
+        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every"):
             d.pop(key)
         return d
 
@@ -192,8 +188,6 @@ class CalibrationEngine:
             raise ValueError("chunk_tokens must be >= 1")
         if self.opts.resume_every < 1:
             raise ValueError("resume_every must be >= 1")
-        if self.opts.gpu_hidden_gib < 0:
-            raise ValueError("gpu_hidden_gib must be >= 0")
         self.device = resolve_device(self.opts.device)
         self.settings = settings or {}
         self.fingerprint = hashlib.sha256(
@@ -209,9 +203,6 @@ class CalibrationEngine:
             ).encode()
         ).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
-        total = sum(s.numel() for s in self.samples) * self.config.hidden_size * self.dtype.itemsize
-        # True: the hidden states stay on the compute device between layers.
-        self.resident = self.device.type != "cpu" and 2 * total <= self.opts.gpu_hidden_gib * 2**30
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
 
     # ------------------------------------------------------------------ state
@@ -268,8 +259,6 @@ class CalibrationEngine:
             torch.cuda.synchronize(self.device)
 
     def _alloc(self, like: torch.Tensor) -> torch.Tensor:
-        if self.resident:
-            return torch.empty(like.shape, dtype=like.dtype, device=self.device)
         pin = self.opts.pin_memory and self.device.type == "cuda"
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
 
@@ -293,14 +282,7 @@ class CalibrationEngine:
         return hs
 
     def _save_hidden(self, hs: list[torch.Tensor]) -> None:
-        path = self.work_dir / "hidden.safetensors"
-        named = {f"s{i:06d}": h for i, h in enumerate(hs)}
-        if self.resident and self.device.type == "cuda":
-            # The device-to-host copies run on a side stream of this (writer) thread, beside the next layer's work.
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                _atomic_save(named, path)
-        else:
-            _atomic_save(named, path)
+        _atomic_save({f"s{i:06d}": h for i, h in enumerate(hs)}, self.work_dir / "hidden.safetensors")
 
     def _load_hidden(self) -> list[torch.Tensor]:
         loaded = load_file(self.work_dir / "hidden.safetensors")
@@ -364,8 +346,7 @@ class CalibrationEngine:
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
                 writer.drain()
-                if not self.resident:
-                    self._spare = inputs  # nothing reads them any more: the writer is done with them
+                self._spare = inputs  # nothing reads them any more: the writer is done with them
                 del inputs
                 writer.submit(self._persist_layer, i, files, hs)
                 timings["save"] += time.perf_counter() - t0

@@ -90,9 +90,6 @@ class Engine(_Section):
     device: str = "auto"
     chunk_tokens: int = Field(8192, ge=1)
     propagate: Literal["quantized", "float"] = "quantized"
-    gpu_hidden_gib: float = Field(
-        8.0, ge=0.0, description="keep hidden states on the GPU when a layer's inputs + outputs fit (GiB; 0: never)"
-    )
 
 
 class Export(_Section):

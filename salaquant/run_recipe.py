@@ -93,7 +93,6 @@ def run_recipe(
         run = RunOptions(
             device=e.device,
             chunk_tokens=e.chunk_tokens,
-            gpu_hidden_gib=e.gpu_hidden_gib,
             propagate=e.propagate,
             quantize_lm_head=g.quantize_lm_head,
             tp=recipe.export.tp,
@@ -133,7 +132,6 @@ def run_recipe(
             exclude=tuple(n.exclude + q.exclude),
             device=e.device,
             chunk_tokens=e.chunk_tokens,
-            gpu_hidden_gib=e.gpu_hidden_gib,
             propagate=e.propagate,
             max_shard_bytes=parse_size(recipe.export.shard_size),
             resume=resume,

@@ -29,7 +29,6 @@ from .solver import gptq, relative_output_error
 class RunOptions:
     device: str = "auto"
     chunk_tokens: int = 8192
-    gpu_hidden_gib: float = 8.0
     propagate: str = "quantized"
     quantize_lm_head: bool = False
     tp: int = 1
@@ -99,7 +98,6 @@ def run_gptq(
     engine_opts = EngineOptions(
         device=run.device,
         chunk_tokens=run.chunk_tokens,
-        gpu_hidden_gib=run.gpu_hidden_gib,
         propagate=run.propagate,
         hessian=True,
         hessian_dtype="fp64" if layer.fp64 else "fp32",

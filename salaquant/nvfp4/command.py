@@ -29,7 +29,6 @@ class NVFP4RunOptions:
     exclude: tuple[str, ...] = ()
     device: str = "auto"
     chunk_tokens: int = 8192
-    gpu_hidden_gib: float = 8.0
     propagate: str = "quantized"
     max_shard_bytes: int = 4 * 10**9
     resume: bool = False
@@ -84,7 +83,6 @@ def run_nvfp4(
     engine_opts = EngineOptions(
         device=run.device,
         chunk_tokens=run.chunk_tokens,
-        gpu_hidden_gib=run.gpu_hidden_gib,
         propagate=run.propagate,
         hessian=False,
         show_progress=run.show_progress,
