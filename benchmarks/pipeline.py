@@ -19,10 +19,12 @@ import argparse
 import cProfile
 import io
 import json
+import logging
 import math
 import pstats
 import resource
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,66 @@ def _rss_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
+def _current_rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+class RssTimeline(logging.Handler):
+    """Samples the process's resident memory every ``interval`` seconds and splits the peak by phase: before the
+    calibration engine starts (tokenising, setup), while it runs (the largest sample per layer), and after its last
+    layer (export and format check). Phases come from the engine's own log records."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        super().__init__(logging.INFO)
+        self.interval = interval
+        self.phase = "setup"
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._sample()
+        msg = record.getMessage()
+        if msg.startswith("calibration:"):
+            self.phase = "calibration"
+        elif msg.endswith("done") and msg.startswith("layer "):
+            self.peaks[f"layer {msg.split()[1]}"] = self.peaks.pop("calibration", 0.0)
+            self.phase = "calibration"
+
+    def _sample(self) -> None:
+        rss = _current_rss_gib()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0.0), rss)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> RssTimeline:
+        logging.getLogger("salaquant.pipeline").addHandler(self)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # the end of the run belongs to its last phase
+        logging.getLogger("salaquant.pipeline").removeHandler(self)
+
+    def summary(self) -> dict[str, float]:
+        layers = [v for k, v in self.peaks.items() if k.startswith("layer ")]
+        after = self.peaks.get("calibration", 0.0)  # samples after the last "layer done": export and check
+        return {
+            "setup": round(self.peaks.get("setup", 0.0), 2),
+            "calibration_layers_max": round(max(layers, default=0.0), 2),
+            "calibration_first_layer": round(layers[0], 2) if layers else 0.0,
+            "export_and_check": round(after, 2),
+        }
+
+
 def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
     """Total solve seconds per (layer kind, linear) from a quant_report.json."""
     out: dict[str, float] = {}
@@ -87,12 +149,13 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    if method == "gptq":
-        run = RunOptions(device=device, show_progress=False, overwrite=True)
-        run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
-    else:
-        run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
-        run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
+    with RssTimeline() as rss:
+        if method == "gptq":
+            run = RunOptions(device=device, show_progress=False, overwrite=True)
+            run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
+        else:
+            run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
+            run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
     timings = report["timings_s"]
@@ -108,7 +171,8 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
         "solve_seconds_per_linear": solve_seconds(report),
         "export_bytes": checkpoint_bytes(out),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
-        "peak_cpu_rss_gib": _rss_gib(),
+        "peak_cpu_rss_gib": _rss_gib(),  # the process's peak so far (earlier work in the process included)
+        "cpu_rss_gib_by_phase": rss.summary(),  # sampled every 0.1 s during this quantizer only
     }
 
 
@@ -140,15 +204,19 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["gptq", "nvfp4"], choices=["gptq", "nvfp4"])
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 rate used for the floor")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smaller runs)")
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     args.scratch.mkdir(parents=True, exist_ok=True)
-    model = args.scratch / f"random-{args.preset}"
+    model = args.scratch / (f"random-{args.preset}" + (f"-{args.layers}l" if args.layers else ""))
     if not (model / "config.json").exists():
         t0 = time.perf_counter()
         config = preset_config(args.preset)
+        if args.layers:
+            config["num_hidden_layers"] = args.layers
+            config["mixer_types"] = config["mixer_types"][: args.layers]
         config["vocab_size"] = max(int(config["vocab_size"]), TOKENIZER_VOCAB)  # the shipped tokenizer's ids fit
         write_random_checkpoint(model, config, seed=0, device=device, overwrite=True)
         res["write_checkpoint_s"] = round(time.perf_counter() - t0, 1)

@@ -258,25 +258,28 @@ class CalibrationEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _alloc(self, like: torch.Tensor) -> torch.Tensor:
+    def _alloc_set(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+        """One buffer per sample, all views of a single (pinned) allocation: the pinned-memory allocator rounds
+        every request up to a power of two, so per-sample requests just above one (a sample of 2^k + 1 tokens)
+        would cost nearly twice their size; one request rounds once."""
         pin = self.opts.pin_memory and self.device.type == "cuda"
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+        sizes = [shape.numel() for shape in shapes]
+        slab = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
+        return [v.view(shape) for v, shape in zip(slab.split(sizes), shapes, strict=True)]
 
     def _outputs(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Buffers for one layer's outputs: the spare CPU set (the inputs of the layer before) when there is one."""
         spare, self._spare = self._spare, None
         if spare is not None and [s.shape for s in spare] == [h.shape for h in hs]:
             return spare
-        return [self._alloc(h) for h in hs]
+        return self._alloc_set([h.shape for h in hs], hs[0].dtype)
 
     def _embed(self) -> list[torch.Tensor]:
         weight = load_global(self.reader, self.config, "model.embed_tokens.weight", self.device)
-        hs = []
-        for ids in self.samples:
-            e = nn.functional.embedding(ids.to(self.device), weight) * self.config.scale_emb
-            buf = self._alloc(e[None])
-            buf.copy_(e[None])
-            hs.append(buf)
+        shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in self.samples]
+        hs = self._alloc_set(shapes, weight.dtype)
+        for ids, buf in zip(self.samples, hs, strict=True):
+            buf.copy_((nn.functional.embedding(ids.to(self.device), weight) * self.config.scale_emb)[None])
         del weight
         self._sync()
         return hs
@@ -286,12 +289,10 @@ class CalibrationEngine:
 
     def _load_hidden(self) -> list[torch.Tensor]:
         loaded = load_file(self.work_dir / "hidden.safetensors")
-        hs = []
-        for i in range(len(self.samples)):
-            t = loaded[f"s{i:06d}"]
-            buf = self._alloc(t)
+        ts = [loaded[f"s{i:06d}"] for i in range(len(self.samples))]
+        hs = self._alloc_set([t.shape for t in ts], ts[0].dtype)
+        for buf, t in zip(hs, ts, strict=True):
             buf.copy_(t)
-            hs.append(buf)
         return hs
 
     def run(self, quantizer: LayerQuantizer | None = None, resume: bool = False) -> EngineResult:

@@ -191,3 +191,15 @@ def test_stats_definitions(tiny_ckpt: Path, tmp_path: Path) -> None:
     expect = torch.stack([f.abs().amax((0, 1)).float() for f in finals]).amax(0)
     assert torch.equal(res.lm_head_stats.absmax, expect)
     assert res.lm_head_stats.tokens == 50 and res.lm_head_stats.samples == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_pinned_asynchronous_copies_equal_synchronous(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Hidden states in pinned buffers (copies queued without waits, buffers reused across layers) give the same
+    bytes as pageable buffers, whose copies complete before the call returns."""
+    samples = _samples([120, 300, 65, 257])  # sizes just above powers of two, several chunks
+    for name, pin in (("pinned", True), ("pageable", False)):
+        opts = _opts(device="cuda", pin_memory=pin, chunk_tokens=64, resume_every=2)
+        CalibrationEngine(tiny_ckpt, samples, tmp_path / name, opts).run(_RoundToNearest())
+    for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + ["hidden.safetensors"]:
+        assert (tmp_path / "pinned" / name).read_bytes() == (tmp_path / "pageable" / name).read_bytes(), name

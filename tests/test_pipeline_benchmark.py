@@ -26,4 +26,8 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
         assert {"minicpm4 mlp.down_proj", "lightning mlp.down_proj"} <= set(r["solve_seconds_per_linear"])
         assert 0 < r["export_bytes"] < 2 * res["parameters"]  # under 2 bytes per parameter: quantized
         assert len(r["generate"]["tokens"]) == 8 and r["peak_cpu_rss_gib"] > 0
+        phases = r["cpu_rss_gib_by_phase"]  # sampled, so never above the process's recorded peak
+        assert phases["setup"] > 0 and 0 < phases["calibration_first_layer"] <= phases["calibration_layers_max"]
+        assert phases["export_and_check"] > 0
+        assert max(phases.values()) <= r["peak_cpu_rss_gib"] + 0.01
     assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep
