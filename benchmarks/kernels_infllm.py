@@ -3,7 +3,8 @@
 Prefill: the whole sparse pipeline (key compression, stage-1 scores, max-pool + top-k in PyTorch, stage-2
 block-sparse attention) for T queries over T keys, against ``F.scaled_dot_product_attention(...,
 is_causal=True, enable_gqa=True)`` at the same T. Decode: one query over a T-token cache (compressed keys
-already cached), eager and inside a CUDA graph, against dense SDPA decode. GQA 32:2, head_dim 128, bf16,
+already cached; pooling and top-k in one Triton kernel), eager and inside a CUDA graph, against dense SDPA
+decode. GQA 32:2, head_dim 128, bf16,
 SALA's sparse settings.
 
   python benchmarks/kernels_infllm.py --out OUT.json [--seq 131072] [--sweep]
@@ -169,9 +170,12 @@ def main() -> None:
     q_start1 = t - 1
     s1 = triton_kernels.stage1_scores(q1, k1, k2, q_start1, p)
     idx1 = ref.select_blocks(ref.block_scores(s1, q_start1, t, p), q_start1, p).to(torch.int32)
+    res["decode_pool_select_equals_reference"] = bool(torch.equal(triton_kernels.pool_select(s1, q_start1, t, p), idx1))
     res["decode_phases_us"] = {
         "stage1": 1e3 * _bench(lambda: triton_kernels.stage1_scores(q1, k1, k2, q_start1, p), 200),
-        "pool_topk": 1e3 * _bench(lambda: ref.select_blocks(ref.block_scores(s1, q_start1, t, p), q_start1, p), 200),
+        "pool_topk_reference": 1e3
+        * _bench(lambda: ref.select_blocks(ref.block_scores(s1, q_start1, t, p), q_start1, p), 200),
+        "pool_select": 1e3 * _bench(lambda: triton_kernels.pool_select(s1, q_start1, t, p), 200),
         "stage2": 1e3 * _bench(lambda: triton_kernels.block_sparse_attention(q1, k, v, idx1, q_start1, p), 200),
     }
 

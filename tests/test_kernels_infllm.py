@@ -145,6 +145,38 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype) -> Non
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, SMALL), **_tol(dtype))
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    ("tq", "tk", "params"),
+    [
+        (1, 203, SMALL),  # decode, blocks dropped
+        (5, 203, SMALL),
+        (3, 40, SMALL),  # fewer blocks than total_topk: every block, future ones as -1
+        (1, 16, SMALL),  # a single block
+        (
+            2,
+            1000,
+            SparseParams(kernel_size=32, kernel_stride=16, init_blocks=2, block_size=64, window_size=128, topk=5),
+        ),
+    ],
+)
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
+    """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
+    them by lower block index)."""
+    gen = torch.Generator().manual_seed(tq * 7919 + tk)
+    n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
+    scores = torch.rand(2, 2, tq, n1, generator=gen)
+    scores[..., ::3] = (scores[..., ::3] * 4).round() / 4  # many equal scores
+    scores[..., n1 - 2 :] = 0.0  # windows a query cannot see score 0, as stage 1 writes them
+    scores = scores.to(DEV)
+    q_start = tk - tq
+    want = _select(scores, q_start, tk, params)
+    out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
+    got = _kernels().pool_select(scores, q_start, tk, params, out=out)
+    assert got is out
+    assert torch.equal(got.long().cpu(), want.cpu())
+
+
 def test_dispatch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = _qkv(1, 5, 70, 1, 2, 8, torch.float32, device="cpu")
     expected = ref.infllm_v2_attention(q, k, v, SMALL)
@@ -247,3 +279,16 @@ def test_gpu_sala_pipeline(sala_inputs: dict[str, torch.Tensor]) -> None:
     assert _overlap(idx2, idx2_ref, -(-tk // SALA.block_size)) > 0.97
     expected2 = ref.block_sparse_attention(q2, k2_, v2, idx2, tk - 1, SALA)
     torch.testing.assert_close(got2.float(), expected2.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_gpu_sala_pool_select_at_128k() -> None:
+    """Decode-sized pooling + top-k over the 2,048 blocks of a 131,072-token context, exact against the reference."""
+    t, tq = 131072, 4
+    n1 = ref.num_compressed(t, SALA.kernel_size, SALA.kernel_stride)
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.rand(2, 2, tq, n1, generator=gen)
+    scores[..., ::5] = (scores[..., ::5] * 8).round() / 8
+    scores = scores.cuda()
+    want = _select(scores, t - tq, t, SALA)
+    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA).long(), want)

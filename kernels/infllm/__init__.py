@@ -3,7 +3,8 @@
 ``backend``: ``"auto"`` runs Triton on CUDA tensors (when triton is installed) and the reference
 otherwise; ``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``); ``"reference"``
 forces ``salaquant.model.sparse_attention``. Key compression, block max-pooling and top-k selection
-always use the reference functions.
+use the reference functions, except for few queries (decode: at most ``POOL_SELECT_MAX_QUERIES``), where one
+Triton program per (query, KV head) pools, forces and selects the blocks.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ from torch import Tensor
 from salaquant.model import sparse_attention as ref
 from salaquant.model.sparse_attention import SparseParams
 
-__all__ = ["BACKENDS", "SELECT_CHUNK", "block_sparse_attention", "infllm_v2_attention", "stage1_scores"]
+__all__ = [
+    "BACKENDS",
+    "POOL_SELECT_MAX_QUERIES",
+    "SELECT_CHUNK",
+    "block_sparse_attention",
+    "infllm_v2_attention",
+    "pool_select",
+    "stage1_scores",
+]
 
 BACKENDS = ("auto", "triton", "reference")
 SELECT_CHUNK = 8192
 """Queries scored and selected per step in ``infllm_v2_attention`` (bounds the ``[.., chunk, n1]`` buffers)."""
+POOL_SELECT_MAX_QUERIES = 16
+"""Up to this many queries, ``infllm_v2_attention`` pools and selects with the Triton kernel (a sort per row)."""
 
 
 def _kernels() -> ModuleType:
@@ -57,6 +68,15 @@ def stage1_scores(
     if _use_triton(backend, q, k1, k2):
         return _kernels().stage1_scores(q, k1, k2, q_start, params)
     return ref.stage1_scores(q, k1, k2, q_start, params, query_chunk=query_chunk)
+
+
+def pool_select(scores: Tensor, q_start: int, tk: int, params: SparseParams, backend: str = "auto") -> Tensor:
+    """Selected blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` from stage-1 scores: block max-pooling, forced
+    init/local blocks and top-k as the reference ``select_blocks(block_scores(...))`` (int32 from Triton, int64 from
+    the reference)."""
+    if _use_triton(backend, scores):
+        return _kernels().pool_select(scores, q_start, tk, params)
+    return ref.select_blocks(ref.block_scores(scores, q_start, tk, params), q_start, params)
 
 
 def block_sparse_attention(
@@ -101,6 +121,10 @@ def infllm_v2_attention(
         k1 = ref.compress_keys(k, params.kernel_size, params.kernel_stride)
     if k2 is None:
         k2 = ref.compress_keys(k, params.kernel_size2, params.kernel_stride2)
+    if tq <= POOL_SELECT_MAX_QUERIES and _use_triton(backend, q, k1, k2):
+        scores = stage1_scores(q, k1, k2, q_start, params, backend=backend)
+        idx = pool_select(scores, q_start, tk, params, backend=backend)
+        return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)
     n_blocks = -(-tk // params.block_size)
     n_sel = min(params.total_topk, n_blocks)
     idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)

@@ -36,7 +36,7 @@ from salaquant.model.sparse_attention import SparseParams
 
 from ..host import cdiv, next_power_of_2
 
-__all__ = ["block_sparse_attention", "stage1_scores"]
+__all__ = ["block_sparse_attention", "pool_select", "stage1_scores"]
 
 _LOG2E = 1.4426950408889634
 
@@ -460,6 +460,104 @@ def _merge_splits_kernel(
         + offs_d[None, :] * stride_od
     )
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None] & (offs_d < head_dim)[None, :])
+
+
+@triton.jit
+def _pool_select_kernel(
+    scores_ptr,
+    idx_ptr,
+    tq,
+    n1,
+    n_blocks,
+    k_sel,
+    q_start,
+    stride_sb,
+    stride_st,
+    stride_sn,
+    stride_ib,
+    stride_it,
+    stride_is,
+    R: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INIT_BLOCKS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+):
+    """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
+
+    Every block gets a unique int64 key: the order-preserving integer image of its pooled score in the high
+    word, ``BLOCK_NB - 1 - block`` in the low word (equal scores: lower block first). The ``k``-th largest key
+    of the sorted row is the threshold; the chosen blocks are written in ascending order (future ones as -1).
+    """
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    t_idx = pid_t.to(tl.int64)
+    blocks = tl.arange(0, BLOCK_NB)
+    in_range = blocks < n_blocks
+    row = scores_ptr + pid_bh * stride_sb + t_idx * stride_st
+    pooled = tl.full([BLOCK_NB], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(R + 1):
+        w = blocks * R - 1 + j  # K1 windows [R*b - 1, R*b + R - 1]
+        ok = in_range & (w >= 0) & (w < n1)
+        pooled = tl.maximum(pooled, tl.load(row + w * stride_sn, mask=ok, other=float("-inf")))
+    pooled = tl.where(pooled == float("-inf"), 0.0, pooled)  # no window: score 0
+    qb = (q_start + t_idx) // BLOCK_SIZE
+    forced = (blocks < INIT_BLOCKS) | ((blocks >= qb - LOCAL_BLOCKS) & (blocks <= qb))
+    pooled = tl.where(forced, float("inf"), pooled)
+
+    bits = pooled.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # float order as signed integers
+    key = ordered * 4294967296 + (BLOCK_NB - 1 - blocks).to(tl.int64)
+    key = tl.where(in_range, key, -9200000000000000000)  # below every real key (finite scores, inf)
+    ranked = tl.sort(key, descending=True)
+    threshold = tl.max(tl.where(blocks == k_sel - 1, ranked, -9200000000000000000), 0)
+    chosen = in_range & (key >= threshold)
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    out = tl.where(blocks > qb, -1, blocks)
+    tl.store(idx_ptr + pid_bh * stride_ib + t_idx * stride_it + slot.to(tl.int64) * stride_is, out, mask=chosen)
+
+
+def pool_select(
+    scores: Tensor, q_start: int, tk: int, params: SparseParams, *, out: Tensor | None = None, num_warps: int = 4
+) -> Tensor:
+    """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
+
+    Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
+    one program per (query, batch * KV head): built for decode (few rows); a row costs a sort of
+    ``next_power_of_2(n_blocks)`` keys. ``out`` (int32, that shape, contiguous) receives the result when given.
+    """
+    b, hkv, tq, n1 = scores.shape
+    n_blocks = cdiv(tk, params.block_size)
+    k_sel = min(params.total_topk, n_blocks)
+    shape = (b, hkv, tq, k_sel)
+    if out is None:
+        idx = torch.empty(shape, dtype=torch.int32, device=scores.device)
+    elif out.shape != shape or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous int32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    else:
+        idx = out
+    if b * hkv * tq == 0 or k_sel == 0:
+        return idx
+    flat = scores.reshape(b * hkv, tq, n1)
+    rows = idx.view(b * hkv, tq, k_sel)
+    _pool_select_kernel[(tq, b * hkv)](
+        flat,
+        rows,
+        tq,
+        n1,
+        n_blocks,
+        k_sel,
+        q_start,
+        *flat.stride(),
+        *rows.stride(),
+        R=params.pool_ratio,
+        BLOCK_SIZE=params.block_size,
+        INIT_BLOCKS=params.init_blocks,
+        LOCAL_BLOCKS=params.local_blocks,
+        BLOCK_NB=_pow2(n_blocks),
+        num_warps=num_warps,
+    )
+    return idx
 
 
 def _check_heads(hq: int, hkv: int) -> int:
