@@ -604,7 +604,9 @@ def stage1_scores(
     if tq == 0 or n1 == 0 or b == 0:
         return out
     block_g = _pow2(g, floor=1)
-    block_m = max(_pow2(block_rows, floor=1) // block_g, _pow2(16 // block_g, floor=1))  # >= 16 rows for tl.dot
+    min_m = _pow2(16 // block_g, floor=1)  # >= 16 rows for tl.dot
+    # no more token rows than there are queries (decode: one token, its G heads), else the tile computes padding
+    block_m = max(min(_pow2(block_rows, floor=1) // block_g, _pow2(tq, floor=1)), min_m)
     block_n = _pow2(block_n)
     block_d = _pow2(d)
     n_tiles = cdiv(tq, block_m)
