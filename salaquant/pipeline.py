@@ -276,6 +276,7 @@ class CalibrationEngine:
 
     def _embed(self) -> list[torch.Tensor]:
         weight = load_global(self.reader, self.config, "model.embed_tokens.weight", self.device)
+        self.reader.close()
         shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in self.samples]
         hs = self._alloc_set(shapes, weight.dtype)
         for ids, buf in zip(self.samples, hs, strict=True):
@@ -374,6 +375,9 @@ class CalibrationEngine:
         cfg = self.config
         t0 = time.perf_counter()
         layer = load_layer(self.reader, cfg, i, self.device)
+        # The shards are memory-mapped: pages read stay in this process's resident set while a handle is open,
+        # so the whole checkpoint would accumulate there over the run. Closing after each layer keeps one layer.
+        self.reader.close()
         if self.opts.attention_kernels:
             use_layer_kernels(layer)
         timings["load"] += time.perf_counter() - t0
@@ -452,6 +456,7 @@ class CalibrationEngine:
         cfg = self.config
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(self.device)
         norm.weight.data = load_global(self.reader, cfg, "model.norm.weight", self.device)
+        self.reader.close()
         dtype = torch.float64 if self.opts.hessian_dtype == "fp64" else torch.float32
         st = GroupStats(cfg.hidden_size, device=self.device, dtype=dtype, hessian=self.opts.hessian)
         for h in hs:

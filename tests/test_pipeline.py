@@ -203,3 +203,37 @@ def test_gpu_pinned_asynchronous_copies_equal_synchronous(tiny_ckpt: Path, tmp_p
         CalibrationEngine(tiny_ckpt, samples, tmp_path / name, opts).run(_RoundToNearest())
     for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + ["hidden.safetensors"]:
         assert (tmp_path / "pinned" / name).read_bytes() == (tmp_path / "pageable" / name).read_bytes(), name
+
+
+def _rss_file_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_checkpoint_pages_do_not_accumulate_in_resident_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards are memory-mapped; pages a layer read must leave the resident set with the layer, or the whole
+    checkpoint ends up resident over a run. Control: with the reader's handles kept open they do accumulate."""
+    from salaquant.model.checkpoint import CheckpointReader
+    from salaquant.model.tiny import preset_config, write_random_checkpoint
+
+    cfg = preset_config("tiny")
+    cfg.update(hidden_size=1024, intermediate_size=4096)  # ~25 MB of MLP weights per layer
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=0)
+    layer_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) - 2 * 264 * 1024 * 2  # minus embeddings
+    samples = _samples([16])
+    opts = _opts(propagate="float", hessian=False)
+    CalibrationEngine(ckpt, samples, tmp_path / "warm", opts).run()  # imports and first-use mappings
+
+    def grown(work: str) -> int:
+        engine = CalibrationEngine(ckpt, samples, tmp_path / work, opts)
+        before = _rss_file_bytes()
+        engine.run()
+        return _rss_file_bytes() - before
+
+    assert grown("closed") < 0.25 * layer_bytes
+    monkeypatch.setattr(CheckpointReader, "close", lambda self: None)
+    assert grown("kept-open") > 0.5 * layer_bytes
