@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.testing
 from salaquant.kernels.gla import chunk_gla, recurrent_gla
+from salaquant.kernels.gla import triton_kernels as gla_kernels
 
 from salaquant.model import gla as ref
 
@@ -182,6 +183,11 @@ def main() -> None:
     rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk)
     rows += decode([int(x) for x in args.decode_b.split(",") if x], fla_rec)
     res["rows"] = rows
+    # the autotuner's choice per key (K, V, precision, dtypes): what a pinned default would have to match
+    res["autotuned"] = {
+        name: {str(key): str(cfg) for key, cfg in getattr(kernel, "cache", {}).items()}
+        for name, kernel in (("state", gla_kernels._chunk_state_kernel), ("output", gla_kernels._chunk_output_kernel))
+    }
     text = table(rows)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

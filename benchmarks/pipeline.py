@@ -176,6 +176,16 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
     }
 
 
+def gla_autotuned() -> dict[str, dict[str, str]]:
+    """The GLA kernels' autotuner choices made in this process (empty on the CPU)."""
+    try:
+        from salaquant.kernels.gla import triton_kernels
+    except ImportError:
+        return {}
+    kernels = (("state", triton_kernels._chunk_state_kernel), ("output", triton_kernels._chunk_output_kernel))
+    return {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()} for name, k in kernels}
+
+
 def generate_check(path: Path, device: str, tokens: int = 8) -> dict[str, Any]:
     from salaquant.runtime.load import load
 
@@ -253,6 +263,7 @@ def main() -> None:
         r["generate"] = generate_check(out, device)
         res[method] = r
         print(json.dumps({method: r}, indent=2), flush=True)
+    res["gla_autotuned"] = gla_autotuned()
     res["hidden_state_gib"] = round(sum(lengths) * cfg.hidden_size * 2 / 2**30, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pipeline-{args.preset}.json").write_text(json.dumps(res, indent=2))
