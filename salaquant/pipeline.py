@@ -254,6 +254,14 @@ class CalibrationEngine:
             if out is not None:
                 out[:, start : start + n].copy_(y, non_blocking=True)
 
+    def _load_global(self, name: str) -> torch.Tensor:
+        """A non-layer tensor on the compute device. The shards are memory-mapped: pages read stay in this process's
+        resident set while a handle is open, so every load closes the handles (the whole checkpoint would otherwise
+        accumulate there over a run)."""
+        tensor = load_global(self.reader, self.config, name, self.device)
+        self.reader.close()
+        return tensor
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -275,8 +283,7 @@ class CalibrationEngine:
         return self._alloc_set([h.shape for h in hs], hs[0].dtype)
 
     def _embed(self) -> list[torch.Tensor]:
-        weight = load_global(self.reader, self.config, "model.embed_tokens.weight", self.device)
-        self.reader.close()
+        weight = self._load_global("model.embed_tokens.weight")
         shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in self.samples]
         hs = self._alloc_set(shapes, weight.dtype)
         for ids, buf in zip(self.samples, hs, strict=True):
@@ -375,9 +382,7 @@ class CalibrationEngine:
         cfg = self.config
         t0 = time.perf_counter()
         layer = load_layer(self.reader, cfg, i, self.device)
-        # The shards are memory-mapped: pages read stay in this process's resident set while a handle is open,
-        # so the whole checkpoint would accumulate there over the run. Closing after each layer keeps one layer.
-        self.reader.close()
+        self.reader.close()  # see _load_global
         if self.opts.attention_kernels:
             use_layer_kernels(layer)
         timings["load"] += time.perf_counter() - t0
@@ -455,8 +460,7 @@ class CalibrationEngine:
         """Statistics of the lm_head input ``norm(h) / (hidden_size / dim_model_base)``."""
         cfg = self.config
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(self.device)
-        norm.weight.data = load_global(self.reader, cfg, "model.norm.weight", self.device)
-        self.reader.close()
+        norm.weight.data = self._load_global("model.norm.weight")
         dtype = torch.float64 if self.opts.hessian_dtype == "fp64" else torch.float32
         st = GroupStats(cfg.hidden_size, device=self.device, dtype=dtype, hessian=self.opts.hessian)
         for h in hs:

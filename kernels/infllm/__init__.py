@@ -122,17 +122,15 @@ def infllm_v2_attention(
     if k2 is None:
         k2 = ref.compress_keys(k, params.kernel_size2, params.kernel_stride2)
     if tq <= POOL_SELECT_MAX_QUERIES and _use_triton(backend, q, k1, k2):
-        scores = stage1_scores(q, k1, k2, q_start, params, backend=backend)
-        idx = pool_select(scores, q_start, tk, params, backend=backend)
-        return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)
-    n_blocks = -(-tk // params.block_size)
-    n_sel = min(params.total_topk, n_blocks)
-    idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
-    for c0 in range(0, tq, select_chunk):
-        c1 = min(tq, c0 + select_chunk)
-        start = q_start + c0
-        scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
-        blocks = ref.block_scores(scores, start, tk, params)
-        del scores
-        idx[:, :, c0:c1] = ref.select_blocks(blocks, start, params)
+        idx = pool_select(stage1_scores(q, k1, k2, q_start, params, backend=backend), q_start, tk, params, backend)
+    else:
+        n_sel = min(params.total_topk, -(-tk // params.block_size))
+        idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
+        for c0 in range(0, tq, select_chunk):
+            c1 = min(tq, c0 + select_chunk)
+            start = q_start + c0
+            scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
+            blocks = ref.block_scores(scores, start, tk, params)
+            del scores
+            idx[:, :, c0:c1] = ref.select_blocks(blocks, start, params)
     return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)
