@@ -177,13 +177,16 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
 
 
 def gla_autotuned() -> dict[str, dict[str, str]]:
-    """The GLA kernels' autotuner choices made in this process (empty on the CPU)."""
+    """The GLA kernels' autotuner choices made in this process (empty on the CPU) and the pinned table."""
     try:
         from salaquant.kernels.gla import triton_kernels
     except ImportError:
         return {}
     kernels = (("state", triton_kernels._chunk_state_kernel), ("output", triton_kernels._chunk_output_kernel))
-    return {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()} for name, k in kernels}
+    out = {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()} for name, k in kernels}
+    # cases launched with a measured configuration skip the autotuner and appear here instead
+    out["tuned_table"] = {str(key): str(cfgs) for key, cfgs in triton_kernels.TUNED_CONFIGS.items()}
+    return out
 
 
 def generate_check(path: Path, device: str, tokens: int = 8) -> dict[str, Any]:

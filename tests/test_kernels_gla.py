@@ -119,6 +119,19 @@ def test_chunk_every_gpu_config_at_d128(t: int, with_state: bool, poison: None) 
             assert max(errors) < tol, (configs, precision, errors)
 
 
+def test_tuned_configs_are_autotune_candidates() -> None:
+    """A pinned case must launch a configuration the sweep above checks against the reference."""
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    assert tk.TUNED_CONFIGS
+    for (major, dk, dv, precision, dtype), (state, output) in tk.TUNED_CONFIGS.items():
+        assert major >= 7 and dk > 0 and dv > 0 and precision in tk.PRECISIONS
+        assert dtype in (torch.float32, torch.float16, torch.bfloat16)
+        assert state in tk.STATE_CONFIGS and output in tk.OUTPUT_CONFIGS
+    # no pin off the GPU: the interpreter and the CPU keep their own path
+    assert tk._tuned(torch.device("cpu"), 128, 128, "tf32", torch.float32) is None
+
+
 def test_chunk_tiles_fit_head_dims(poison: None) -> None:
     import triton
     from salaquant.kernels.gla import triton_kernels as tk
