@@ -204,6 +204,21 @@ class CalibrationEngine:
         ).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
+        self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs, after run()
+
+    def release(self) -> None:
+        """Free the hidden-state buffers (``final_hidden`` and the spare set) and hand the pinned memory back.
+
+        Call it once the run's results are taken: the commands do before they export, so the export does not
+        add its shard buffer on top of ``2 x pow2ceil(H)`` of buffers nobody reads any more. PyTorch keeps
+        freed pinned blocks for reuse; emptying that cache returns them to the system.
+        """
+        self.final_hidden = None
+        self._spare = None
+        if self.device.type == "cuda":
+            empty = getattr(torch.accelerator, "empty_host_cache", None)
+            if empty is not None:
+                empty()
 
     # ------------------------------------------------------------------ state
     def _state_path(self) -> Path:

@@ -77,6 +77,21 @@ def test_chunked_equals_unchunked(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
         assert torch.allclose(ha, hb, rtol=1e-5, atol=1e-5 * hb.abs().max().item())
 
 
+def test_release_frees_both_hidden_state_sets(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    engine = CalibrationEngine(tiny_ckpt_fp32, _samples([70, 40]), tmp_path / "w", _opts(propagate="float"))
+    result = engine.run()
+    assert engine.final_hidden is not None and engine._spare is not None
+    held = [weakref.ref(t) for t in (*engine.final_hidden, *engine._spare)]
+    engine.release()
+    gc.collect()
+    assert engine.final_hidden is None and all(r() is None for r in held)
+    # the results on disk stay readable: release only drops the in-memory hidden states
+    assert result.layer_tensors(0)
+
+
 def test_forced_dense_matches_dense_model_not_sparse(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
     samples = _samples([600])  # > dense_len 256, and long enough that sparse selection drops blocks
     opts = _opts(propagate="float", hessian=False, chunk_tokens=128)

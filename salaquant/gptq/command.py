@@ -107,6 +107,7 @@ def run_gptq(
     engine = CalibrationEngine(model, [s.ids for s in data.samples], work_dir_for(output), engine_opts, settings)
     t0 = time.perf_counter()
     result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
+    engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
     t_calib = time.perf_counter() - t0
 
     lm_tensors = None

@@ -23,7 +23,8 @@ from typing import Any, cast
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
-from safetensors.torch import save_file as _st_save_file
+
+from ..safetensors_stream import write_safetensors
 
 __all__ = [
     "CONFIG_NAME",
@@ -546,7 +547,7 @@ class CheckpointWriter:
         tmp_name = f"shard-{len(self._shards) + 1:05d}.safetensors.part"
         path = self.tmp_dir / tmp_name
         try:
-            _st_save_file(self._buffer, str(path), metadata={"format": "pt"})
+            write_safetensors(self._buffer, path, metadata={"format": "pt"})  # streamed: no serialized copy
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot write shard with tensors {sorted(self._buffer)[:5]}: {exc}") from exc
         self._shards.append((tmp_name, list(self._buffer)))
