@@ -1,7 +1,8 @@
 """Simple GLA kernels against fla: chunked prefill and recurrent decode at SALA's shape (H=32, D=128).
 
 Prefill: B=1, T in {8192, 32768, 131072}, no initial state, final state out, bf16 and fp32 inputs
-(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed). Decode: T=1, B in {1, 8, 64},
+(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed), each with the states stored once
+per ``--state-every`` chunks, and for bf16 also with a bf16 output as fla returns. Decode: T=1, B in {1, 8, 64},
 fp32 inputs and states, new state written or updated in place. fla (``chunk_simple_gla`` /
 ``fused_recurrent_simple_gla``) is timed when importable. ``speedup`` = fla time / our time.
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from salaquant.kernels.gla import chunk_gla, recurrent_gla
+from salaquant.kernels.gla import recurrent_gla
 from salaquant.kernels.gla import triton_kernels as gla_kernels
 
 from salaquant.model import gla as ref
@@ -47,7 +48,16 @@ def _timed(row: dict, key: str, fn: Callable[[], object]) -> None:
         row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
-def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
+def _prefill_bytes(q: torch.Tensor, every: int, out_bytes: int) -> int:
+    """Fewest bytes of our two kernels: k, v read by both, q by the output kernel, the stored states written
+    and read once (one per ``every`` chunks of 64), o written."""
+    b, t, h, d = q.shape
+    n_states = -(-t // (64 * every))
+    state_bytes = 2 if q.dtype == torch.bfloat16 else 4
+    return 5 * q.numel() * q.element_size() + 2 * b * h * n_states * d * d * state_bytes + q.numel() * out_bytes
+
+
+def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -> list[dict]:
     rows = []
     g = -ref.alibi_slopes(H).cuda()
     for t in ts:
@@ -62,18 +72,27 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
                     lambda q=q, k=k, v=v: fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
                 )
             ref_out = ref.chunk_gla(q, k, v, g, SCALE, None, True) if t <= REFERENCE_MAX_T else None
-            for precision in precisions:
+            # fp32 output is what the model consumes; the input dtype is what fla returns (a like-for-like time)
+            out_dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
+            variants = [(p, e, od) for p in precisions for e in state_every for od in out_dtypes]
+            for precision, every, out_dtype in variants:
+                if dtype == torch.float32 and precision != "tf32" and every != 1:
+                    continue  # the slower precisions once each
                 row: dict = {
                     "kernel": "chunk",
                     "B": 1,
                     "T": t,
                     "dtype": str(dtype).removeprefix("torch."),
                     "precision": precision if dtype == torch.float32 else "-",
+                    "state_every": every,
+                    "out_dtype": str(out_dtype).removeprefix("torch."),
                     "fla_ms": fla_ms,
                 }
 
-                def ours(q=q, k=k, v=v, precision=precision) -> object:
-                    return chunk_gla(q, k, v, g, SCALE, None, True, precision=precision)
+                def ours(q=q, k=k, v=v, precision=precision, every=every, out_dtype=out_dtype) -> object:
+                    return gla_kernels.chunk_fwd(
+                        q, k, v, g, SCALE, None, True, precision=precision, state_every=every, out_dtype=out_dtype
+                    )
 
                 _timed(row, "ours_ms", ours)
                 if row["ours_ms"] is not None:
@@ -86,11 +105,9 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
                         row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
                 if fla_ms is not None and row["ours_ms"]:
                     row["speedup"] = fla_ms / row["ours_ms"]
-                # q, k, v read once, o written in fp32
+                out_bytes = torch.empty(0, dtype=out_dtype).element_size()
                 row["ours_tb_s"] = (
-                    (3 * q.numel() * q.element_size() + q.numel() * 4) / row["ours_ms"] / 1e9
-                    if row["ours_ms"]
-                    else None
+                    _prefill_bytes(q, every, out_bytes) / row["ours_ms"] / 1e9 if row["ours_ms"] else None
                 )
                 rows.append(row)
             del q, k, v, fla_out, ref_out
@@ -144,13 +161,15 @@ def _fmt(x: object, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| kernel | B | T | dtype | precision/mode | ours ms | fla ms | speedup | ours TB/s | rel err o (fla / ref) |"
+        "| kernel | B | T | dtype | precision/mode | states every / out | ours ms | fla ms | speedup | ours TB/s "
+        "| rel err o (fla / ref) |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         err = f"{_fmt(r.get('rel_err_o_vs_fla'), '.1e')} / {_fmt(r.get('rel_err_o_vs_ref'), '.1e')}"
         lines.append(
             f"| {r['kernel']} | {r['B']} | {r['T']} | {r['dtype']} | {r.get('precision', r.get('mode'))} "
+            f"| {r.get('state_every', '-')} / {r.get('out_dtype', 'float32')} "
             f"| {_fmt(r['ours_ms'], '.4f')} | {_fmt(r['fla_ms'], '.4f')} | {_fmt(r.get('speedup'), '.2f')} "
             f"| {_fmt(r.get('ours_tb_s'), '.2f')} | {err} |"
         )
@@ -162,6 +181,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prefill-t", default="8192,32768,131072")
     ap.add_argument("--decode-b", default="1,8,64")
+    ap.add_argument("--state-every", default="1,2,4", help="chunks per stored state, each timed")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -180,7 +200,8 @@ def main() -> None:
         import fla
 
         res["fla"] = getattr(fla, "__version__", "unknown")
-    rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk)
+    every = [int(x) for x in args.state_every.split(",") if x]
+    rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk, every)
     rows += decode([int(x) for x in args.decode_b.split(",") if x], fla_rec)
     res["rows"] = rows
     # the autotuner's choice per key (K, V, precision, dtypes): what a pinned default would have to match

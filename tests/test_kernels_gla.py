@@ -84,6 +84,41 @@ def test_chunk_strided_partial_tiles(poison: None) -> None:
     _close(s, s_ref)
 
 
+@pytest.mark.parametrize(("t", "every"), [(70, 2), (200, 3), (300, 4), (40, 2)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_chunk_state_every_matches_naive(t: int, every: int, out_dtype: torch.dtype, poison: None) -> None:
+    # states stored once per `every` chunks and carried through the others in registers: same function;
+    # K=40 is not a power of two (the whole-K tile is masked), V=40 leaves a partial V tile, views are strided
+    dk, dv = 40, 40
+    fused = torch.randn(B, t, H, 2 * dk + dv)
+    q, k, v = fused[..., :dk], fused[..., dk : 2 * dk], fused[..., 2 * dk :]
+    s0 = torch.randn(B, H, dk, dv)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0, output_final_state=True)
+    o, s = tk_chunk(q, k, v, 0.2, s0, state_every=every, out_dtype=out_dtype)
+    assert o.dtype == out_dtype and s is not None and s_ref is not None
+    _close(s, s_ref)
+    if out_dtype == torch.float32:
+        _close(o, o_ref)
+    else:
+        assert torch.isfinite(o).all() and _rel_err(o, o_ref) < 1e-3
+
+
+def tk_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, s0: torch.Tensor, **options: object
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    return tk.chunk_fwd(q, k, v, G_GAMMA, scale, s0, True, precision="ieee", **options)  # type: ignore[arg-type]
+
+
+def test_chunk_option_errors() -> None:
+    q, k, v, s0 = _inputs(70)
+    with pytest.raises(ValueError, match="state_every"):
+        tk_chunk(q, k, v, 0.2, s0, state_every=0)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tk_chunk(q, k, v, 0.2, s0, out_dtype=torch.int32)
+
+
 def test_chunk_fp16_inputs(poison: None) -> None:
     q, k, v, s0 = _inputs(130, dtype=torch.float16)
     o_ref, s_ref = ref.naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, 0.25, s0, True)
@@ -272,6 +307,19 @@ def test_gpu_chunk_sala_shape() -> None:
     assert s is not None and s_ref_b is not None
     assert _rel_err(o, o_ref_b) < 2e-2
     assert _rel_err(s, s_ref_b) < 2e-2
+    # states stored every 2 / 4 chunks, fp32 and bf16 outputs, every autotune candidate that fits the whole K
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    for every in (2, 4):
+        o, s = tk.chunk_fwd(q, k, v, g, scale, s0, True, precision="ieee", state_every=every)
+        assert s is not None and _rel_err(o, o_ref) < 1e-5 and _rel_err(s, s_ref) < 1e-5, every
+        o, s = tk.chunk_fwd(qb, kb, vb, g, scale, s0, True, state_every=every, out_dtype=torch.bfloat16)
+        assert o.dtype == torch.bfloat16 and s is not None
+        assert _rel_err(o, o_ref_b) < 2e-2 and _rel_err(s, s_ref_b) < 2e-2, every
+        for config in tk.OUTPUT_CONFIGS:
+            configs = (tk.STATE_CONFIGS[0], config)
+            o, _ = tk.chunk_fwd(q, k, v, g, scale, s0, precision="ieee", configs=configs, state_every=every)
+            assert _rel_err(o, o_ref) < 1e-5, config
     if has_fla:
         from fla.ops.simple_gla import chunk_simple_gla
 
