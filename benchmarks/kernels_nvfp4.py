@@ -1,7 +1,9 @@
 """NVFP4 weight-only GEMM (salaquant.kernels.nvfp4) vs cuBLAS bf16 ``F.linear`` at MiniCPM-SALA shapes.
 
-Times are medians of ``triton.testing.do_bench``; every timed call uses the next of 4 weight copies so that L2
-does not serve the weights. ``speedup`` is cuBLAS time / our time. ``--sweep`` also times a small set of launch
+Times are medians over CUDA-graph replays of one call per weight copy (4 copies, so the weights come from HBM
+rather than L2), as a decode step runs in a server, without the Python launch cost; ``*_eager_us`` are medians of
+``triton.testing.do_bench`` on single eager calls cycling over the copies. ``speedup`` is cuBLAS time / our time,
+both from graphs. ``--sweep`` also times a small set of launch
 configurations per case and reports the fastest (use ``--layers`` / ``--ms`` to split a long sweep).
 
   python benchmarks/kernels_nvfp4.py --out OUT [--sweep] [--layers gate_up,down] [--ms 1,16]
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 import triton
 from salaquant.kernels.nvfp4 import DEQUANT_MIN_M, nvfp4_matmul, nvfp4_matmul_reference
 from salaquant.kernels.nvfp4 import triton_kernels as tk
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 SHAPES: dict[str, tuple[int, int]] = {
     "gate_up": (4096, 32768),
@@ -51,11 +53,25 @@ def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     return lambda: next(it)()
 
 
-def _time_us(fn: Callable[[], object], quick: bool = False) -> float:
-    """Median time of ``fn`` in microseconds."""
+def _eager_us(fns: list[Callable[[], object]], quick: bool = False) -> float:
+    """Median time of one eager call in microseconds, cycling over ``fns`` (one per weight copy)."""
+    fn = _rotating(fns)
     if quick:
         return 1e3 * float(do_bench(fn, warmup=10, rep=30, return_mode="median"))
     return 1e3 * float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _time_us(fns: list[Callable[[], object]], quick: bool = False) -> float:
+    """Median time of one call in microseconds, from CUDA-graph replays of every call of ``fns`` in turn."""
+
+    def all_copies() -> None:
+        for fn in fns:
+            fn()
+
+    all_copies()  # compile outside the graph
+    torch.cuda.synchronize()
+    rep = 30 if quick else 100
+    return 1e3 * float(do_bench_cudagraph(all_copies, rep=rep, return_mode="median")) / len(fns)
 
 
 def _weight_bytes(m: int, k: int, n: int, x_bytes: int = 2) -> int:
@@ -107,7 +123,9 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     row: dict[str, object] = {"layer": name, "K": k, "N": n, "M": m}
 
-    row["cublas_us"] = _time_us(_rotating([lambda w=w: F.linear(x, w) for w in dense]))
+    cublas = [lambda w=w: F.linear(x, w) for w in dense]
+    row["cublas_us"] = _time_us(cublas)
+    row["cublas_eager_us"] = _eager_us(cublas)
     del dense
 
     ref = nvfp4_matmul_reference(x.float(), *copies[0])
@@ -117,8 +135,9 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
         try:
             y = nvfp4_matmul(x, *copies[0], backend=backend)
             err = float((y.float() - ref).abs().max()) / scale
-            us = _time_us(_rotating([lambda c=c: nvfp4_matmul(x, *c, backend=backend) for c in copies]))
-            return us, err, None
+            fns = [lambda c=c: nvfp4_matmul(x, *c, backend=backend) for c in copies]
+            row[f"{backend}_eager_us"] = _eager_us(fns)
+            return _time_us(fns), err, None
         except Exception as e:  # a failing path is reported, not fatal
             return None, None, f"{type(e).__name__}: {e}"[:300]
 
@@ -140,7 +159,7 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
         for cfg in _candidates(m, k, n):
             try:
                 fns = [lambda c=c, cfg=cfg: tk.nvfp4_matmul_triton(x, *c, config=cfg) for c in copies]
-                results.append((_time_us(_rotating(fns), quick=True), cfg))
+                results.append((_time_us(fns, quick=True), cfg))
             except Exception as e:
                 results.append((float("inf"), cfg))
                 row.setdefault("sweep_errors", []).append(f"{cfg}: {type(e).__name__}: {e}"[:300])
