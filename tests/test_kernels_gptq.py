@@ -33,7 +33,7 @@ def _hinv(c: int, g: torch.Generator, device: str = "cpu") -> torch.Tensor:
 
 
 def _operands(r: int, c: int, per_column: bool, seed: int, device: str = "cpu"):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(torch.initial_seed() + seed)
     w = (torch.randn(r, c, generator=g) * 0.02).to(device)
     amax = w.abs().amax(1)
     scale = (2 * amax / 15).to(torch.float16).float()
@@ -120,7 +120,7 @@ def test_bad_operands() -> None:
 
 
 def _hessian(n: int, seed: int, device: str = "cpu") -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(torch.initial_seed() + seed)
     x = torch.randn(2 * n, n, generator=g) * torch.linspace(0.2, 3.0, n)
     return (x.T @ x).to(device)
 
@@ -139,7 +139,7 @@ def _hessian(n: int, seed: int, device: str = "cpu") -> torch.Tensor:
 def test_solver_same_bits_on_both_backends(group_size: int, block_size: int, act_order: bool, mse: bool) -> None:
     """Whole GPTQ solves (groups inside blocks, groups spanning blocks, act-order, MSE scales) are identical."""
     n, out = 256, 24
-    w = torch.randn(out, n, generator=torch.Generator().manual_seed(3)) * 0.03
+    w = torch.randn(out, n, generator=torch.Generator().manual_seed(torch.initial_seed() + 3)) * 0.03
     h = _hessian(n, seed=4)
     kw = {"group_size": group_size, "block_size": block_size, "act_order": act_order, "mse": mse, "mse_grid": 20}
     a = gptq(w, h, GPTQConfig(backend="triton", **kw))
@@ -153,7 +153,7 @@ def test_solver_same_bits_on_both_backends(group_size: int, block_size: int, act
 def test_gpu_gptq_kernel_matches_reference() -> None:
     """At a SALA shape on the GPU: the kernel and the PyTorch reference give the same codes and scales."""
     n, out = 2048, 1024
-    w = (torch.randn(out, n, generator=torch.Generator().manual_seed(5)) * 0.02).cuda()
+    w = (torch.randn(out, n, generator=torch.Generator().manual_seed(torch.initial_seed() + 5)) * 0.02).cuda()
     h = _hessian(n, seed=6, device="cuda")
     for act_order in (False, True):
         a = gptq(w, h, GPTQConfig(backend="triton", act_order=act_order))
@@ -172,7 +172,7 @@ def _scale_errors(w: torch.Tensor, cands: torch.Tensor, idx: torch.Tensor) -> to
 @needs_triton
 @pytest.mark.parametrize(("r", "n"), [(45, 128), (33, 40)])
 def test_scale_search_kernel_picks_the_reference_choice(r: int, n: int) -> None:
-    g = torch.Generator().manual_seed(r)
+    g = torch.Generator().manual_seed(torch.initial_seed() + r)
     w = torch.randn(r, n, generator=g) * torch.rand(r, 1, generator=g)
     # Row 0: evenly spread values and one outlier at -3. At the max-abs scale (0.4) the spread values cost about
     # 127 * 0.4^2 / 12 = 1.7; at 0.8 of it the outlier (on the longer negative side, -8 steps) costs (3 - 2.56)^2
@@ -205,7 +205,7 @@ def test_scale_search_prefers_the_larger_scale_on_ties() -> None:
 
 @needs_triton
 def test_mse_scales_on_both_backends() -> None:
-    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(torch.initial_seed() + 2)) * 0.05
     a = mse_scales(w, 4, backend="triton")
     b = mse_scales(w, 4, backend="reference")
     assert a.dtype == torch.float16 and (a == b).float().mean() >= 0.95
@@ -216,7 +216,7 @@ def test_gpu_mse_solve_close_to_reference() -> None:
     """GPTQ with MSE scales at a SALA shape: the kernels' search agrees with the PyTorch one on nearly every
     (row, group), and the solution's loss is the same to 0.1%."""
     n, out = 2048, 1024
-    w = (torch.randn(out, n, generator=torch.Generator().manual_seed(7)) * 0.02).cuda()
+    w = (torch.randn(out, n, generator=torch.Generator().manual_seed(torch.initial_seed() + 7)) * 0.02).cuda()
     h = _hessian(n, seed=8, device="cuda")
     a = gptq(w, h, GPTQConfig(backend="triton", mse=True))
     b = gptq(w, h, GPTQConfig(backend="reference", mse=True))

@@ -30,7 +30,7 @@ def _kernels():
 
 
 def _qkv(b: int, tq: int, tk: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: str = DEV):
-    gen = torch.Generator().manual_seed(1000 * tq + tk + 7 * g + d)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 1000 * tq + tk + 7 * g + d)
     q, k, v = (torch.randn(b, t, h, d, generator=gen) for t, h in ((tq, hkv * g), (tk, hkv), (tk, hkv)))
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
 
@@ -118,7 +118,7 @@ def test_stage2_arbitrary_indices(splits: int) -> None:
     q, k, v = _qkv(b, tq, tk, hkv, g, d, torch.float32)
     q_start = tk - tq
     n_blocks = -(-tk // SMALL.block_size)
-    gen = torch.Generator().manual_seed(splits)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + splits)
     idx = torch.stack([torch.randperm(n_blocks + 3, generator=gen)[:5] for _ in range(b * hkv * tq)])
     idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.25, -1).reshape(b, hkv, tq, 5)
     idx[0, 1, 2] = -1
@@ -163,7 +163,7 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype) -> Non
 def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
     them by lower block index)."""
-    gen = torch.Generator().manual_seed(tq * 7919 + tk)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.rand(2, 2, tq, n1, generator=gen)
     scores[..., ::3] = (scores[..., ::3] * 4).round() / 4  # many equal scores
@@ -212,7 +212,7 @@ SALA = SparseParams()
 @pytest.fixture(scope="module")
 def sala_inputs() -> dict[str, torch.Tensor]:
     t, hkv, g, d = 16384, 2, 16, 128
-    gen = torch.Generator(device="cuda").manual_seed(3)
+    gen = torch.Generator(device="cuda").manual_seed(torch.initial_seed() + 3)
     q = torch.randn(1, t, hkv * g, d, device="cuda", generator=gen).bfloat16()
     k = torch.randn(1, t, hkv, d, device="cuda", generator=gen).bfloat16()
     v = torch.randn(1, t, hkv, d, device="cuda", generator=gen).bfloat16()
@@ -286,7 +286,7 @@ def test_gpu_sala_pool_select_at_128k() -> None:
     """Decode-sized pooling + top-k over the 2,048 blocks of a 131,072-token context, exact against the reference."""
     t, tq = 131072, 4
     n1 = ref.num_compressed(t, SALA.kernel_size, SALA.kernel_stride)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 5)
     scores = torch.rand(2, 2, tq, n1, generator=gen)
     scores[..., ::5] = (scores[..., ::5] * 8).round() / 8
     scores = scores.cuda()
