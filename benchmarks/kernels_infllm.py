@@ -178,6 +178,16 @@ def main() -> None:
         "pool_select": 1e3 * _bench(lambda: triton_kernels.pool_select(s1, q_start1, t, p), 200),
         "stage2": 1e3 * _bench(lambda: triton_kernels.block_sparse_attention(q1, k, v, idx1, q_start1, p), 200),
     }
+    # the same phases each replayed from its own CUDA graph: what they cost inside the decode step's graph
+    graph_phases = {
+        "stage1": lambda: triton_kernels.stage1_scores(q1, k1, k2, q_start1, p),
+        "pool_select": lambda: triton_kernels.pool_select(s1, q_start1, t, p),
+        "stage2": lambda: triton_kernels.block_sparse_attention(q1, k, v, idx1, q_start1, p),
+    }
+    res["decode_phases_graph_us"] = {}
+    for name, fn in graph_phases.items():
+        ms = _graph_bench(fn, 200)
+        res["decode_phases_graph_us"][name] = 1e3 * ms if isinstance(ms, float) else ms
 
     # ---- optional launch-configuration sweep ----
     if args.sweep:
@@ -227,6 +237,8 @@ def main() -> None:
     ph = res["prefill_phases_ms"]
     print("prefill phases (ms): " + ", ".join(f"{n} {x:.2f}" for n, x in ph.items()))
     print("decode phases (us): " + ", ".join(f"{n} {x:.1f}" for n, x in res["decode_phases_us"].items()))
+    graphed = [f"{n} {x if isinstance(x, str) else f'{x:.1f}'}" for n, x in res["decode_phases_graph_us"].items()]
+    print("decode phases in graphs (us): " + ", ".join(graphed))
     print(f"dense SDPA {res['prefill_dense_tflops']:.0f} TFLOP/s; tail err {res['prefill_tail_max_abs_err']:.3g}")
     if args.sweep:
         for key, val in res["sweep"].items():
