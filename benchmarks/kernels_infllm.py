@@ -53,10 +53,13 @@ def _graph_bench(fn: Callable[[], Any], rep_ms: int) -> float | str:
 
 
 def _phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: SparseParams, chunk: int) -> dict[str, float]:
-    """One instrumented run of the prefill pipeline (``q_start = 0``): milliseconds per phase (CUDA events)."""
+    """One instrumented run of the prefill pipeline (``q_start = 0``): milliseconds per phase (CUDA events).
+
+    The one-kernel pooling + top-k is timed beside the reference's on the same scores, with the rows where
+    they differ."""
     tq, tk = q.shape[1], k.shape[1]
     spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {
-        name: [] for name in ("compress", "stage1", "pool_topk", "stage2")
+        name: [] for name in ("compress", "stage1", "pool_topk", "pool_select_kernel", "stage2")
     }
 
     def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -76,6 +79,7 @@ def _phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: SparseParams, 
     def select(scores: torch.Tensor, c0: int) -> torch.Tensor:
         return ref.select_blocks(ref.block_scores(scores, c0, tk, p), c0, p)
 
+    mismatched_rows = [0]
     k1, k2 = timed("compress", compress)
     n_sel = min(p.total_topk, -(-tk // p.block_size))
     idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
@@ -83,10 +87,14 @@ def _phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: SparseParams, 
         c1 = min(tq, c0 + chunk)
         scores = timed("stage1", triton_kernels.stage1_scores, q[:, c0:c1], k1, k2, c0, p)
         idx[:, :, c0:c1] = timed("pool_topk", select, scores, c0)
-        del scores
+        # the one-kernel pooling + top-k on the same scores (not used below: the reference's choice is)
+        mine = timed("pool_select_kernel", triton_kernels.pool_select, scores, c0, tk, p)
+        mismatched_rows[0] += int((mine != idx[:, :, c0:c1]).any(dim=-1).sum())
+        del scores, mine
     timed("stage2", triton_kernels.block_sparse_attention, q, k, v, idx, 0, p)
     torch.cuda.synchronize()
-    return {name: sum(a.elapsed_time(b) for a, b in pairs) for name, pairs in spans.items()}
+    times = {name: sum(a.elapsed_time(b) for a, b in pairs) for name, pairs in spans.items()}
+    return {**times, "pool_select_kernel_mismatched_rows": float(mismatched_rows[0])}
 
 
 def main() -> None:
@@ -132,6 +140,15 @@ def main() -> None:
     res["prefill_sparse_ms"] = _bench(sparse_prefill, args.rep_ms)
     res["prefill_dense_sdpa_ms"] = _bench(dense_prefill, args.rep_ms)
     res["prefill_speedup"] = res["prefill_dense_sdpa_ms"] / res["prefill_sparse_ms"]
+
+    def sparse_prefill_kernel_select() -> torch.Tensor:  # pooling + top-k in the Triton kernel for every row
+        return infllm.infllm_v2_attention(
+            q, k, v, p, backend="triton", select_chunk=args.select_chunk, kernel_select=True
+        )
+
+    sparse_prefill_kernel_select()
+    res["prefill_sparse_kernel_select_ms"] = _bench(sparse_prefill_kernel_select, args.rep_ms)
+    res["prefill_kernel_select_speedup"] = res["prefill_dense_sdpa_ms"] / res["prefill_sparse_kernel_select_ms"]
     res["prefill_dense_tflops"] = 2.0 * t * t * d * hq / res["prefill_dense_sdpa_ms"] / 1e9
     runs = [_phases(q, k, v, p, args.select_chunk) for _ in range(3)]
     res["prefill_phases_ms"] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
@@ -227,6 +244,7 @@ def main() -> None:
 
     rows = [
         (f"prefill T={t}", res["prefill_sparse_ms"], res["prefill_dense_sdpa_ms"], "ms"),
+        (f"prefill T={t} kernel select", res["prefill_sparse_kernel_select_ms"], res["prefill_dense_sdpa_ms"], "ms"),
         (f"decode ctx={t} eager", res["decode_sparse_us"], res["decode_dense_sdpa_us"], "us"),
     ]
     if "decode_graph_speedup" in res:

@@ -131,12 +131,15 @@ def test_stage2_arbitrary_indices(splits: int) -> None:
 
 @needs_triton
 @pytest.mark.parametrize(("tq", "tk", "dtype"), [(32, 200, torch.float32), (1, 203, torch.float16)])
-def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kernel_select", [None, True, False])
+def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel_select: bool | None) -> None:
     b, hkv, g, d = (1, 2, 2, 16) if tq > 1 else (2, 2, 4, 16)
     q, k, v = _qkv(b, tq, tk, hkv, g, d, dtype)
     k1, k2 = _compressed(k, SMALL)
     q_start = tk - tq
-    got = infllm.infllm_v2_attention(q, k, v, SMALL, k1=k1, k2=k2, backend="triton", select_chunk=20)
+    got = infllm.infllm_v2_attention(
+        q, k, v, SMALL, k1=k1, k2=k2, backend="triton", select_chunk=20, kernel_select=kernel_select
+    )
     scores = infllm.stage1_scores(q, k1, k2, q_start, SMALL, backend="triton")
     idx = _select(scores, q_start, tk, SMALL)
     if not CUDA:  # exact fp32 dots: the same selection as the reference
@@ -174,6 +177,18 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -
     out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
     got = _kernels().pool_select(scores, q_start, tk, params, out=out)
     assert got is out
+    assert torch.equal(got.long().cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5])
+def test_pool_select_all_scores_equal(value: float) -> None:
+    """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
+    params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
+    tq, tk = 40, 2000
+    n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
+    scores = torch.full((1, 2, tq, n1), value, device=DEV)
+    want = _select(scores, tk - tq, tk, params)
+    got = _kernels().pool_select(scores, tk - tq, tk, params)
     assert torch.equal(got.long().cpu(), want.cpu())
 
 

@@ -105,11 +105,14 @@ def infllm_v2_attention(
     backend: str = "auto",
     *,
     select_chunk: int = SELECT_CHUNK,
+    kernel_select: bool | None = None,
 ) -> Tensor:
     """Full InfLLM-v2 pipeline; queries are the last ``Tq`` of the ``Tk`` keys.
 
     ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). Scoring,
     pooling and selection run ``select_chunk`` queries at a time; stage 2 runs once over all queries.
+    ``kernel_select`` pools and selects with the Triton kernel (``True``) or the reference functions
+    (``False``); ``None`` takes the kernel for up to ``POOL_SELECT_MAX_QUERIES`` queries on the Triton path.
     """
     tq, tk = q.shape[1], k.shape[1]
     if tq > tk:
@@ -121,16 +124,16 @@ def infllm_v2_attention(
         k1 = ref.compress_keys(k, params.kernel_size, params.kernel_stride)
     if k2 is None:
         k2 = ref.compress_keys(k, params.kernel_size2, params.kernel_stride2)
-    if tq <= POOL_SELECT_MAX_QUERIES and _use_triton(backend, q, k1, k2):
-        idx = pool_select(stage1_scores(q, k1, k2, q_start, params, backend=backend), q_start, tk, params, backend)
-    else:
-        n_sel = min(params.total_topk, -(-tk // params.block_size))
-        idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
-        for c0 in range(0, tq, select_chunk):
-            c1 = min(tq, c0 + select_chunk)
-            start = q_start + c0
-            scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
-            blocks = ref.block_scores(scores, start, tk, params)
-            del scores
-            idx[:, :, c0:c1] = ref.select_blocks(blocks, start, params)
+    triton_path = _use_triton(backend, q, k1, k2)
+    if kernel_select is None:
+        kernel_select = triton_path and tq <= POOL_SELECT_MAX_QUERIES
+    select_backend = backend if kernel_select else "reference"
+    n_sel = min(params.total_topk, -(-tk // params.block_size))
+    idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
+    for c0 in range(0, tq, select_chunk):
+        c1 = min(tq, c0 + select_chunk)
+        start = q_start + c0
+        scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
+        idx[:, :, c0:c1] = pool_select(scores, start, tk, params, select_backend)
+        del scores
     return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)

@@ -485,9 +485,11 @@ def _pool_select_kernel(
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
-    Every block gets a unique int64 key: the order-preserving integer image of its pooled score in the high
-    word, ``BLOCK_NB - 1 - block`` in the low word (equal scores: lower block first). The ``k``-th largest key
-    of the sorted row is the threshold; the chosen blocks are written in ascending order (future ones as -1).
+    Each pooled score becomes its order-preserving int32 image. A binary search over that integer range (32
+    halvings, each a count over the row) finds ``v``, the ``k``-th largest image; the blocks above ``v`` are
+    chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores: lower block
+    first). No sort: the cost is 32 reductions whatever ``k``. The chosen blocks are written in ascending
+    order (future ones as -1).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -507,11 +509,19 @@ def _pool_select_kernel(
 
     bits = pooled.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # float order as signed integers
-    key = ordered * 4294967296 + (BLOCK_NB - 1 - blocks).to(tl.int64)
-    key = tl.where(in_range, key, -9200000000000000000)  # below every real key (finite scores, inf)
-    ranked = tl.sort(key, descending=True)
-    threshold = tl.max(tl.where(blocks == k_sel - 1, ranked, -9200000000000000000), 0)
-    chosen = in_range & (key >= threshold)
+    ordered = tl.where(in_range, ordered, -4294967296)  # below every int32 image: never counted
+    # largest v with count(ordered >= v) >= k; the count at v = INT32_MIN is n_blocks >= k
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((ordered >= mid).to(tl.int32), 0) >= k_sel
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = ordered > lo
+    tied = ordered == lo
+    need = k_sel - tl.sum(above.to(tl.int32), 0)
+    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= need))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     out = tl.where(blocks > qb, -1, blocks)
     tl.store(idx_ptr + pid_bh * stride_ib + t_idx * stride_it + slot.to(tl.int64) * stride_is, out, mask=chosen)
@@ -523,8 +533,8 @@ def pool_select(
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
-    one program per (query, batch * KV head): built for decode (few rows); a row costs a sort of
-    ``next_power_of_2(n_blocks)`` keys. ``out`` (int32, that shape, contiguous) receives the result when given.
+    one program per (query, batch * KV head); a row costs 32 counts over ``next_power_of_2(n_blocks)`` pooled
+    scores. ``out`` (int32, that shape, contiguous) receives the result when given.
     """
     b, hkv, tq, n1 = scores.shape
     n_blocks = cdiv(tk, params.block_size)
