@@ -435,7 +435,11 @@ def recipes() -> None:
 def generate(
     model: Annotated[Path, typer.Argument(help="A bf16, GPTQ or NVFP4 SALA checkpoint folder.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy).")] = 40,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 40,
+    temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens only (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample from the smallest set holding this probability (1: all).")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed of the sampler (a reproducible completion).")] = None,
     attention: Annotated[str, typer.Option(help="auto (dense below dense_len), dense or sparse.")] = "auto",
     device: Device = "auto",
     backend: Annotated[str, typer.Option(help="auto (Triton on CUDA), triton or reference.")] = "auto",
@@ -443,16 +447,18 @@ def generate(
         bool, typer.Option(help="Run GLA / sparse attention with salaquant.kernels (Triton on CUDA).")
     ] = True,
 ) -> None:
-    """Greedy completion with the runtime: a quick check that a checkpoint loads and talks."""
+    """Completion with the runtime (greedy unless --temperature): a quick check that a checkpoint loads and talks."""
     import time
 
     import torch
 
+    from .model.sampling import Sampling
     from .pipeline import resolve_device
     from .runtime.load import checkpoint_format, load
     from .workflow import load_tokenizer
 
     try:
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
         dev = resolve_device(device)
         net = load(model, device=dev, backend=backend, kernels=attention_kernels)
         tok = load_tokenizer(model)
@@ -460,8 +466,9 @@ def generate(
         fail(str(exc))
     ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
     t0 = time.perf_counter()
+    generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     with torch.no_grad():
-        out = net.greedy(ids, max_new_tokens, attention_mode=attention)
+        out = net.generate(ids, max_new_tokens, sampling, generator=generator, attention_mode=attention)
     seconds = time.perf_counter() - t0
     from .model.checkpoint import CheckpointReader
 

@@ -86,6 +86,14 @@ def test_generate_command(exports) -> None:
     )
     assert res.exit_code == 0, res.output
     assert "(gptq)" in res.output and "The king" in res.output
+    sampled = ["generate", str(exports["gptq"]), "--prompt", "The king", "--max-new-tokens", "12", "--device", "cpu"]
+    sampled += ["--temperature", "0.9", "--top-p", "0.9", "--seed", "3"]
+    first, second = CliRunner().invoke(app, sampled), CliRunner().invoke(app, sampled)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output
+    # the same seed, the same completion (the timing line differs)
+    assert first.output.splitlines()[1:] == second.output.splitlines()[1:]
+    bad = CliRunner().invoke(app, [*sampled[:8], "--top-p", "1.5"])
+    assert bad.exit_code != 0 and "top_p must be in (0, 1]" in bad.output
 
 
 def test_attention_kernels_route_through_dispatchers() -> None:

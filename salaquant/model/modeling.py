@@ -12,6 +12,7 @@ from .attention import LightningAttention, SparseAttention
 from .cache import SalaCache
 from .config import ATTENTION_MODES, LIGHTNING, SalaConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
+from .sampling import Sampling, next_token
 
 
 def layer_rope(config: SalaConfig, kind: str, start: int, length: int, device: torch.device | str):
@@ -132,16 +133,38 @@ class SalaForCausalLM(nn.Module):
         return CausalLMResult(logits=logits, loss=loss, cache=cache)
 
     @torch.no_grad()
-    def greedy(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str | None = None) -> torch.Tensor:
-        """Greedy decoding with the cache: prefill once, then one token per step."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+        attention_mode: str | None = None,
+    ) -> torch.Tensor:
+        """Decoding with the cache: prefill once, then one token per step, chosen as ``sampling`` says (greedy by
+        default; ``generator`` makes sampling reproducible). Stops early once every row has produced
+        ``eos_token_id`` (kept in the output; rows that finished first are padded with it)."""
+        sampling = sampling or Sampling()
         cache = self.new_cache()
         out = self(input_ids, cache=cache, attention_mode=attention_mode)
         tokens = [input_ids]
-        for _ in range(max_new_tokens):
-            nxt = out.logits[:, -1:].argmax(-1)
+        done = torch.zeros(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            nxt = next_token(out.logits[:, -1], sampling, generator)
+            if eos_token_id is not None:
+                nxt = nxt.masked_fill(done, eos_token_id)
+                done = done | (nxt == eos_token_id)
             tokens.append(nxt)
+            if (eos_token_id is not None and bool(done.all())) or step == max_new_tokens - 1:
+                break
             out = self(nxt, cache=cache, attention_mode=attention_mode)
         return torch.cat(tokens, dim=1)
+
+    def greedy(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str | None = None) -> torch.Tensor:
+        """Greedy decoding with the cache: prefill once, then one token per step."""
+        return self.generate(input_ids, max_new_tokens, attention_mode=attention_mode)
 
 
 def init_weights(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
