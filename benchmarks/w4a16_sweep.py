@@ -27,7 +27,7 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
+CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "magic")
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -51,9 +51,9 @@ def candidates(m: int) -> list[dict]:
     out = []
     if m == 1:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
-            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False))
-    for bn, bk, t, ex in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True)):
-        out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
+            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False, magic=False))
+    for bn, bk, t, ex, mg in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True), (False, True)):
+        out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex, magic=mg))
     return out
 
 
@@ -83,9 +83,7 @@ def sweep_case(name: str, k: int, n: int, m: int, qw: list, sc: list, dense: lis
         flush=True,
     )
     for r in ok[:top]:
-        cfg = " ".join(
-            f"{key}={r[key]}" for key in ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
-        )
+        cfg = " ".join(f"{key}={r[key]}" for key in CONFIG_KEYS)
         print(f"    {r['us']:7.1f} us  x{base['cublas'] / r['us']:.2f}  {cfg}  err={r['rel_err']:.1e}", flush=True)
     bad = [r for r in results if "us" in r and r["rel_err"] >= 1e-2]
     if bad:

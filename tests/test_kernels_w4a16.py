@@ -196,6 +196,8 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
+    else:  # the bf16 form of the integer-logic weight build (the interpreter checks the fp16 one)
+        paths["flat-magic"] = lambda out: tk.matmul_flat(x, qweight, scales, out=out, expand=True, magic=True)
     for name, run in paths.items():
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = run(out).float()
@@ -210,12 +212,20 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "cuda_cores", "expand"),
-    [(1, True, False), (1, False, False), (4, False, False), (16, False, True), (7, False, True)],
-    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7"],
+    ("m", "cuda_cores", "expand", "magic"),
+    [
+        (1, True, False, False),
+        (1, False, False, False),
+        (4, False, False, False),
+        (16, False, True, False),
+        (7, False, True, False),
+        (16, False, True, True),
+        (5, False, False, True),
+    ],
+    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7", "dot-expand-magic", "dot-magic"],
 )
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_size: int) -> None:
+def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, magic: bool, group_size: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     # K = 416 is 3.25 tiles of 128 and 6.5 of 64: partial last tile and a last split with fewer tiles.
@@ -236,10 +246,12 @@ def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_si
             tiles=tiles,
             cuda_cores=cuda_cores,
             expand=expand,
+            magic=magic,
         )
         ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
         w = dequantize(qweight, scales, 4, group_size)
-        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles} cc={cuda_cores} ex={expand}"
+        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles}"
+        what += f" cc={cuda_cores} ex={expand} mg={magic}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
 
 
