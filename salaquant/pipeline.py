@@ -8,9 +8,10 @@ through the float layer). Hidden states stay in CPU memory between layers. Each 
 recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
 resumes after the last finished layer and produces the same bytes as an uninterrupted one.
 
-The hidden states live in pinned CPU memory: two sets of buffers (a layer's inputs and its outputs) that swap
-roles from layer to layer (no allocation per layer), with the copies queued behind the compute and one wait per
-pass, not per sample.
+The hidden states live in pinned CPU memory, one set of buffers: the propagation pass writes each sample's
+outputs over its inputs, chunk by chunk, with the copies queued behind the compute and one wait per pass, not
+per sample. (Float propagation, where the statistics pass also produces the outputs, uses a second set, and the
+two swap roles from layer to layer.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -207,10 +208,10 @@ class CalibrationEngine:
         self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs, after run()
 
     def release(self) -> None:
-        """Free the hidden-state buffers (``final_hidden`` and the spare set) and hand the pinned memory back.
+        """Free the hidden-state buffers (``final_hidden`` and any spare set) and hand the pinned memory back.
 
         Call it once the run's results are taken: the commands do before they export, so the export does not
-        add its shard buffer on top of ``2 x pow2ceil(H)`` of buffers nobody reads any more. PyTorch keeps
+        add its shard buffer on top of hidden states nobody reads any more. PyTorch keeps
         freed pinned blocks for reuse; emptying that cache returns them to the system.
         """
         self.final_hidden = None
@@ -362,15 +363,22 @@ class CalibrationEngine:
         # Layer i's files (statistics or quantized tensors, report, hidden states, then the resume state) are
         # written while layer i + 1 computes; the state names layer i finished only once all of them are on disk.
         writer = BackgroundWriter(enabled=self.opts.background_writes)
+
+        def wait_for_writer() -> None:  # before the buffers it may be reading are overwritten
+            t0 = time.perf_counter()
+            writer.drain()
+            timings["save"] += time.perf_counter() - t0
+
         try:
             for i in range(finished, n_layers):
                 t_layer = time.perf_counter()
                 inputs = hs
-                hs, files = self._layer(i, hs, quantizer, progress, timings)
+                hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_writer)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
                 writer.drain()
-                self._spare = inputs  # nothing reads them any more: the writer is done with them
+                if hs is not inputs:
+                    self._spare = inputs  # nothing reads them any more: the writer is done with them
                 del inputs
                 writer.submit(self._persist_layer, i, files, hs)
                 timings["save"] += time.perf_counter() - t0
@@ -391,9 +399,20 @@ class CalibrationEngine:
         return EngineResult(self.work_dir, n_layers, reports, lm_stats, timings, total_tokens, layer_seconds)
 
     def _layer(
-        self, i: int, hs: list[torch.Tensor], quantizer: LayerQuantizer | None, progress, timings: dict[str, float]
+        self,
+        i: int,
+        hs: list[torch.Tensor],
+        quantizer: LayerQuantizer | None,
+        progress,
+        timings: dict[str, float],
+        wait_for_writer: Callable[[], None],
     ) -> tuple[list[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]] | None]:
-        """Layer ``i`` over every sample: its outputs, and the files to write for it (written by the caller)."""
+        """Layer ``i`` over every sample: its outputs, and the files to write for it (written by the caller).
+
+        The propagation pass with the quantized layer writes each sample's outputs over its inputs, chunk by chunk
+        (a chunk's copy back is queued after its copy in), so the run holds one set of hidden states, not two;
+        ``wait_for_writer`` first lets the background writer finish with them (the resume point it may be
+        saving). The float propagation (statistics and outputs in one pass) writes to a second set."""
         cfg = self.config
         t0 = time.perf_counter()
         layer = load_layer(self.reader, cfg, i, self.device)
@@ -447,7 +466,8 @@ class CalibrationEngine:
             qlayer = result.layer if result.layer is not None else layer
             if self.opts.attention_kernels and qlayer is not layer:
                 use_layer_kernels(qlayer)
-            out = self._outputs(hs)
+            wait_for_writer()
+            out = hs  # in place
             for j, h in enumerate(hs):
                 self._run_sample(qlayer, h, out[j])
                 progress.sample_done(j, h.shape[1])

@@ -167,6 +167,52 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
                            load_file(work / "hidden.safetensors")["s000000"])  # fmt: skip
 
 
+def test_quantized_propagation_equals_quantized_model(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
+    """Outputs written over their inputs chunk by chunk give what the whole fake-quantized model computes."""
+    samples = _samples([300, 90])
+    opts = _opts(chunk_tokens=37, hessian=False)  # several chunks per sample, a partial last one
+    engine = CalibrationEngine(tiny_ckpt_fp32, samples, tmp_path / "w", opts)
+    engine.run(_RoundToNearest())
+    model = load_model(tiny_ckpt_fp32)
+    quantizer = _RoundToNearest()
+    for i, layer in enumerate(model.model.layers):
+        quantizer.quantize_layer(i, layer, {})
+    assert engine.final_hidden is not None
+    with torch.no_grad():
+        for sample, hidden in zip(samples, engine.final_hidden, strict=True):
+            want = model.model(sample[None], attention_mode="dense")
+            got = model.model.norm(hidden)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow background write of the hidden states still saves the layer's outputs, not the next layer's (the
+    next layer's propagation waits for the writer before writing over the same buffers)."""
+    import time
+
+    import salaquant.pipeline as pipeline
+
+    samples = _samples([120, 300])
+    save = pipeline._atomic_save
+
+    def slow_save(tensors: dict, path: Path) -> None:
+        if path.name == "hidden.safetensors":
+            time.sleep(0.5)  # the next layer's statistics pass finishes meanwhile
+        save(tensors, path)
+
+    monkeypatch.setattr(pipeline, "_atomic_save", slow_save)
+    work = tmp_path / "slow"
+    # resume points after 2 and 4 layers: the first is written while layer 2 (the third) runs
+    with pytest.raises(KeyboardInterrupt):
+        CalibrationEngine(tiny_ckpt, samples, work, _opts(resume_every=2)).run(_RoundToNearest(fail_at=3))
+    want = CalibrationEngine(tiny_ckpt, samples, tmp_path / "two", _opts(background_writes=False, resume_every=2))
+    with pytest.raises(KeyboardInterrupt):
+        want.run(_RoundToNearest(fail_at=2))
+    assert (work / "hidden.safetensors").read_bytes() == (tmp_path / "two" / "hidden.safetensors").read_bytes()
+
+
 def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:
     work = tmp_path / "w"
     with pytest.raises(KeyboardInterrupt):
