@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from . import host_memory
 from .background import BackgroundWriter
 from .calibration import samples_fingerprint
 from .model.cache import LightningLayerCache, SparseLayerCache
@@ -221,6 +224,38 @@ class CalibrationEngine:
             if empty is not None:
                 empty()
 
+    def _largest_layer_bytes(self) -> int:
+        """Bytes of the largest decoder layer as stored (headers only: no tensor data is read)."""
+        sizes: dict[str, int] = {}
+        for name in self.reader:
+            parts = name.split(".")
+            if len(parts) > 3 and parts[:2] == ["model", "layers"]:
+                nbytes = math.prod(self.reader.shape(name)) * self.reader.dtype(name).itemsize
+                sizes[parts[2]] = sizes.get(parts[2], 0) + nbytes
+        self.reader.close()
+        return max(sizes.values(), default=0)
+
+    def _check_host_memory(self, quantizer: LayerQuantizer | None) -> None:
+        """Refuse a run whose hidden states and layer cannot fit in this machine's memory; warn when they exceed
+        what is available now."""
+        float_sets = self.opts.propagate == "float" or quantizer is None
+        plan = host_memory.plan_host_memory(
+            [s.numel() for s in self.samples],
+            self.config.hidden_size,
+            self.dtype.itemsize,
+            sets=2 if float_sets else 1,
+            pinned=self.opts.pin_memory and self.device.type == "cuda",
+            layer_bytes=self._largest_layer_bytes(),
+        )
+        advice = "use fewer or shorter calibration samples (--max-samples, --max-len)"
+        if float_sets and quantizer is not None:
+            advice += ", or quantized propagation (half the hidden-state memory)"
+        message = host_memory.check_host_memory(plan, host_memory.meminfo, advice=advice)
+        log.info("host memory: %s", plan.describe())
+        if message is not None:
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     # ------------------------------------------------------------------ state
     def _state_path(self) -> Path:
         return self.work_dir / "state.json"
@@ -351,6 +386,7 @@ class CalibrationEngine:
             self.device,
             finished,
         )
+        self._check_host_memory(quantizer)
         t0 = time.perf_counter()
         if finished == 0:
             hs = self._embed()

@@ -1,0 +1,80 @@
+"""The CPU-memory plan of a calibration run and the check against the machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import salaquant.host_memory as hm
+from salaquant.cli import app
+from salaquant.pipeline import CalibrationEngine, EngineOptions
+
+GIB = 2**30
+
+
+def test_plan_hand_computed() -> None:
+    # one 131,073-token sample and two of 8,193 at hidden size 4096 in bf16: 147,459 x 8,192 bytes
+    h = 147_459 * 4096 * 2
+    pinned = hm.plan_host_memory([131_073, 8_193, 8_193], 4096, 2, sets=1, pinned=True, layer_bytes=600_000_000)
+    assert pinned.hidden_bytes == h == 1_207_984_128
+    assert pinned.buffer_bytes == 2 * GIB  # the next power of two
+    assert pinned.total_bytes == 2 * GIB + 600_000_000
+    pageable = hm.plan_host_memory([131_073, 8_193, 8_193], 4096, 2, sets=2, pinned=False, layer_bytes=0)
+    assert pageable.buffer_bytes == 2 * h
+    exact = hm.plan_host_memory([131_072], 4096, 2, sets=1, pinned=True, layer_bytes=0)
+    assert exact.buffer_bytes == GIB  # already a power of two
+    with pytest.raises(ValueError, match="sets"):
+        hm.plan_host_memory([1], 8, 2, sets=3, pinned=False, layer_bytes=0)
+
+
+def test_meminfo_parsing(tmp_path: Path) -> None:
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       32768000 kB\nMemFree:  100 kB\nMemAvailable:   16384000 kB\n")
+    assert hm.meminfo(f) == (16_384_000 * 1024, 32_768_000 * 1024)
+    f.write_text("MemTotal:       32768000 kB\n")
+    assert hm.meminfo(f) is None
+    assert hm.meminfo(tmp_path / "missing") is None
+
+
+def test_check_refuses_warns_or_passes() -> None:
+    plan = hm.plan_host_memory([131_072], 4096, 2, sets=1, pinned=True, layer_bytes=GIB // 2)  # 1.5 GiB
+    with pytest.raises(hm.HostMemoryError, match=r"about 1\.5 GiB.*has 1\.0 GiB of memory; use fewer"):
+        hm.check_host_memory(plan, lambda: (GIB, GIB), advice="use fewer")
+    warning = hm.check_host_memory(plan, lambda: (GIB, 4 * GIB))
+    assert warning is not None and "1.0 GiB are available now (of 4.0 GiB)" in warning
+    assert hm.check_host_memory(plan, lambda: (2 * GIB, 4 * GIB)) is None
+    assert hm.check_host_memory(plan, lambda: None) is None
+
+
+def test_engine_plans_its_largest_layer_and_refuses_early(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    samples = [torch.randint(0, 264, (n,)) for n in (100, 50)]
+    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "w", EngineOptions(device="cpu", show_progress=False))
+    # the largest layer, summed from the tensors themselves
+    per_layer: dict[str, int] = {}
+    for shard in tiny_ckpt.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                if name.startswith("model.layers."):
+                    t = f.get_tensor(name)
+                    key = name.split(".")[2]
+                    per_layer[key] = per_layer.get(key, 0) + t.numel() * t.element_size()
+    assert engine._largest_layer_bytes() == max(per_layer.values())
+    monkeypatch.setattr(hm, "meminfo", lambda: (1024, 2048))
+    with pytest.raises(hm.HostMemoryError, match="calibration needs"):
+        engine.run()
+    assert not (tmp_path / "w" / "hidden.safetensors").exists()  # refused before any layer ran
+
+
+def test_gptq_command_reports_the_shortfall(tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hm, "meminfo", lambda: (1024, 2048))
+    calib = Path(__file__).resolve().parents[1] / "calib" / "sala-tiny-calib.jsonl"
+    args = ["gptq", "-i", str(tiny_ckpt), "-o", str(tmp_path / "out"), "--calib", str(calib), "--device", "cpu"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code != 0
+    assert "calibration needs" in res.output and "--max-samples" in res.output
