@@ -154,6 +154,20 @@ def main() -> None:
     res["prefill_phases_ms"] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
     res["prefill_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
+    # stage 1 alone over every chunk with fp32 compressed keys (TF32 dots, what the pipeline uses) and with bf16
+    # ones (bf16 dots, as the model's own FlashAttention-based kernel takes them): the cost of the precision
+    k1f = ref.compress_keys(k, p.kernel_size, p.kernel_stride)
+    k2f = ref.compress_keys(k, p.kernel_size2, p.kernel_stride2)
+    for name, (ka, kb) in (("fp32", (k1f, k2f)), ("bf16", (k1f.bfloat16(), k2f.bfloat16()))):
+
+        def stage1_all(ka: torch.Tensor = ka, kb: torch.Tensor = kb) -> None:
+            for c0 in range(0, t, args.select_chunk):
+                triton_kernels.stage1_scores(q[:, c0 : c0 + args.select_chunk], ka, kb, c0, p)
+
+        stage1_all()
+        res[f"prefill_stage1_{name}_keys_ms"] = _bench(stage1_all, args.rep_ms // 3)
+    del k1f, k2f
+
     # correctness spot check: the last 256 queries (a chunked prefill) against the reference pipeline
     tail = min(256, t)
     got = infllm.infllm_v2_attention(q[:, -tail:], k, v, p, backend="triton")
@@ -254,6 +268,10 @@ def main() -> None:
         print(f"{name:<26} {sp:>10.3f}{unit} {de:>10.3f}{unit} {de / sp:>7.2f}x")
     ph = res["prefill_phases_ms"]
     print("prefill phases (ms): " + ", ".join(f"{n} {x:.2f}" for n, x in ph.items()))
+    print(
+        f"stage 1 alone: fp32 keys {res['prefill_stage1_fp32_keys_ms']:.2f} ms, "
+        f"bf16 keys {res['prefill_stage1_bf16_keys_ms']:.2f} ms"
+    )
     print("decode phases (us): " + ", ".join(f"{n} {x:.1f}" for n, x in res["decode_phases_us"].items()))
     graphed = [f"{n} {x if isinstance(x, str) else f'{x:.1f}'}" for n, x in res["decode_phases_graph_us"].items()]
     print("decode phases in graphs (us): " + ", ".join(graphed))
