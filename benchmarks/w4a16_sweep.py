@@ -1,12 +1,12 @@
 """Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
 
 Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
-word expansion for M = 1 and 16) is checked against the dequantize-then-matmul result and timed in a CUDA graph
+word expansion and the 16-bit magic-number weight build for M = 1 and 16, and the transposed ``swap`` kernel) is checked against the dequantize-then-matmul result and timed in a CUDA graph
 over 4 rotated weight copies, beside cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
 configuration table in ``triton_kernels`` is chosen from.
 
-  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16]
+  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds swap]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "magic")
+CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "magic", "swap")
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -47,17 +47,25 @@ def eager_us(fn: Callable[[int], object]) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=50, return_mode="median") * 1e3
 
 
-def candidates(m: int) -> list[dict]:
+def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "swap")) -> list[dict]:
+    """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1), ``flat`` (``tl.dot`` on
+    the activation side) and ``swap`` (the transposed kernel)."""
     out = []
-    if m == 1:
+    if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
             out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False, magic=False))
     for bn, bk, t, ex, mg in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True), (False, True)):
-        out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex, magic=mg))
+        if "flat" in kinds:
+            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex, magic=mg))
+    for bn, t, w in itertools.product((64, 128, 256), (1, 2, 4), (4, 8)):  # the transposed kernel
+        if "swap" in kinds:
+            out.append(dict(block_n=bn, block_k=128, tiles=t, num_warps=w, cuda_cores=False, swap=True))
     return out
 
 
-def sweep_case(name: str, k: int, n: int, m: int, qw: list, sc: list, dense: list, top: int, t0: float) -> dict:
+def sweep_case(
+    name: str, k: int, n: int, m: int, qw: list, sc: list, dense: list, top: int, t0: float, kinds: tuple[str, ...]
+) -> dict:
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     ref = F.linear(x, dense[0]).float()
     base = {
@@ -67,7 +75,7 @@ def sweep_case(name: str, k: int, n: int, m: int, qw: list, sc: list, dense: lis
         "default_eager": eager_us(lambda i: tk.matmul(x, qw[i], sc[i], 4, GROUP)),
     }
     results = []
-    for cfg in candidates(m):
+    for cfg in candidates(m, kinds):
         try:
             y = tk.matmul_flat(x, qw[0], sc[0], 4, GROUP, **cfg).float()
             err = float((y - ref).norm() / ref.norm())
@@ -97,6 +105,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--kinds", nargs="+", default=["gemv", "flat", "swap"], choices=["gemv", "flat", "swap"])
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []
@@ -107,7 +116,7 @@ def main() -> None:
         sc = [(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 1e-3).half() for _ in range(COPIES)]
         dense = [tk.dequantize(qw[i], sc[i], 4, GROUP).contiguous() for i in range(COPIES)]
         for m in args.m:
-            rows.append(sweep_case(name, k, n, m, qw, sc, dense, args.top, t0))
+            rows.append(sweep_case(name, k, n, m, qw, sc, dense, args.top, t0, tuple(args.kinds)))
     out = args.out if args.out.suffix == ".json" else args.out / "w4a16_sweep.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}))
