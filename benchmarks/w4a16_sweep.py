@@ -1,8 +1,9 @@
 """Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
 
 Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
-word expansion and the 16-bit magic-number weight build for M = 1 and 16, and the transposed ``swap`` kernel) is checked against the dequantize-then-matmul result and timed in a CUDA graph
-over 4 rotated weight copies, beside cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
+word expansion and the 16-bit magic-number weight build for M = 1 and 16, and the transposed ``swap`` kernel) is
+checked against the dequantize-then-matmul result and timed in a CUDA graph over 4 rotated weight copies, beside
+cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
 configuration table in ``triton_kernels`` is chosen from.
 

@@ -10,7 +10,9 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
 * ``2 <= M <= 16``, ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short,
   fully unrolled run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in
   natural K order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core
-  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
+  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes, and a transposed
+  form (``swap=True``, ``_swap_kernel``): ``Y^T = W x^T`` with the weight tile, built from 16-bit magic numbers,
+  on the MMA's M side.
 * ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
   order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
 * ``M >= DEQUANT_MIN_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
