@@ -1,7 +1,7 @@
 """Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
 
 Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
-word expansion and the 16-bit magic-number weight build for M = 1 and 16, and the transposed ``swap`` kernel) is
+word expansion for M = 1 and 16, and the transposed ``swap`` kernel with its 16-bit magic-number weights) is
 checked against the dequantize-then-matmul result and timed in a CUDA graph over 4 rotated weight copies, beside
 cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
@@ -28,7 +28,7 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "magic", "swap")
+CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "swap")
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -54,10 +54,10 @@ def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "swap")) -> lis
     out = []
     if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
-            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False, magic=False))
-    for bn, bk, t, ex, mg in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True), (False, True)):
+            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=w, cuda_cores=True, expand=False))
+    for bn, bk, t, ex in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True)):
         if "flat" in kinds:
-            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex, magic=mg))
+            out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
     for bn, t, w in itertools.product((64, 128, 256), (1, 2, 4), (4, 8)):  # the transposed kernel
         if "swap" in kinds:
             out.append(dict(block_n=bn, block_k=128, tiles=t, num_warps=w, cuda_cores=False, swap=True))

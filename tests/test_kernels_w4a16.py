@@ -196,8 +196,7 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
-    else:  # the bf16 forms of the 16-bit weight builds (the interpreter checks the fp16 ones)
-        paths["flat-magic"] = lambda out: tk.matmul_flat(x, qweight, scales, out=out, expand=True, magic=True)
+    else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
         for bn, warps in ((64, 4), (128, 4), (256, 8)):
             paths[f"swap-{bn}"] = lambda out, bn=bn, warps=warps: tk.matmul_flat(
                 x, qweight, scales, out=out, block_n=bn, tiles=2, num_warps=warps, swap=True
@@ -216,20 +215,12 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "cuda_cores", "expand", "magic"),
-    [
-        (1, True, False, False),
-        (1, False, False, False),
-        (4, False, False, False),
-        (16, False, True, False),
-        (7, False, True, False),
-        (16, False, True, True),
-        (5, False, False, True),
-    ],
-    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7", "dot-expand-magic", "dot-magic"],
+    ("m", "cuda_cores", "expand"),
+    [(1, True, False), (1, False, False), (4, False, False), (16, False, True), (7, False, True)],
+    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7"],
 )
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, magic: bool, group_size: int) -> None:
+def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_size: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     # K = 416 is 3.25 tiles of 128 and 6.5 of 64: partial last tile and a last split with fewer tiles.
@@ -250,12 +241,11 @@ def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, magic: b
             tiles=tiles,
             cuda_cores=cuda_cores,
             expand=expand,
-            magic=magic,
         )
         ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
         w = dequantize(qweight, scales, 4, group_size)
         what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles}"
-        what += f" cc={cuda_cores} ex={expand} mg={magic}"
+        what += f" cc={cuda_cores} ex={expand}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
 
 

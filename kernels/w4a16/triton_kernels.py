@@ -126,19 +126,6 @@ def _word_value(words, hi, MAGIC, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _magic_cast(code, dtype: tl.constexpr, ZERO: tl.constexpr):
-    """``code - ZERO`` in ``dtype`` (fp16 or bf16) without a conversion instruction: the code is OR-ed into the
-    mantissa of a power of two (1024 in fp16, 128 in bf16; exact for codes below 2**10 / 2**7) and the power of
-    two plus the zero point is subtracted in ``dtype``."""
-    if dtype == tl.bfloat16:
-        v = (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return v - (128.0 + ZERO)
-    else:
-        v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        return v - (1024.0 + ZERO)
-
-
-@triton.jit
 def _k_slice(K, BLOCK_K: tl.constexpr):
     """K tiles ``[start, end)`` of this program's split (axis 1 of the grid enumerates the splits)."""
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -346,7 +333,6 @@ def _flat_kernel(
     TILES: tl.constexpr,
     GEMV3D: tl.constexpr = False,
     EXPAND: tl.constexpr = False,
-    MAGIC_DOT: tl.constexpr = False,
 ):
     """Split-K over short, fully unrolled runs of ``TILES`` K tiles: every load of a program is independent of its
     math, so all of them are in flight at once (the grid, not a loop, supplies the memory parallelism).
@@ -423,10 +409,7 @@ def _flat_kernel(
                     other=ZERO,
                     eviction_policy="evict_first",
                 )
-            if MAGIC_DOT and BLOCK_M > 1 and TILE_SCALE and BITS <= 7:
-                w = _magic_cast((words >> shifts) & ((1 << BITS) - 1), dtype, ZERO)
-            else:
-                w = (((words >> shifts) & ((1 << BITS) - 1)) - ZERO).to(tl.float32)
+            w = (((words >> shifts) & ((1 << BITS) - 1)) - ZERO).to(tl.float32)
             if TILE_SCALE:
                 s = tl.load(s_ptr + tile_group * N + offs_n, mask=mask_n & tile_live, other=0.0)
                 s = s.to(tl.float32)
@@ -697,15 +680,12 @@ def matmul_flat(
     num_warps: int = 4,
     cuda_cores: bool | None = None,
     expand: bool = False,
-    magic: bool = False,
     swap: bool = False,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` with the flat split-K kernel: ``tiles`` K tiles per program, K split over the grid.
 
     ``cuda_cores`` (default: ``M == 1``) reduces on the CUDA cores; otherwise ``tl.dot`` on a 16-row activation
-    tile, with ``expand`` loading each word once and repeating it in registers instead of once per K row, and
-    ``magic`` building the 16-bit weights with integer logic and one 16-bit subtraction instead of an
-    int-to-float conversion per weight (4-bit codes, groups that hold whole K tiles; otherwise ignored).
+    tile, with ``expand`` loading each word once and repeating it in registers instead of once per K row.
     ``swap`` runs the transposed product (``_swap_kernel``: the weight tile on the MMA's M side, built from
     16-bit magic numbers); it takes 4-bit codes, fp16/bf16 activations and one group or groups of a multiple of
     ``block_k``.
@@ -717,7 +697,7 @@ def matmul_flat(
     pack = 32 // bits
     if block_k % pack or block_k < pack or (gs > 0 and gs % pack):
         raise ValueError(f"block_k={block_k} must be a multiple of {pack}")
-    cuda_cores = (m == 1) if cuda_cores is None else cuda_cores and not swap
+    cuda_cores = not swap and ((m == 1) if cuda_cores is None else cuda_cores)
     if cuda_cores and m != 1:
         raise ValueError("the CUDA-core reduction takes one activation row")
     if swap:
@@ -778,7 +758,6 @@ def matmul_flat(
         TILES=tiles,
         GEMV3D=cuda_cores,
         EXPAND=expand,
-        MAGIC_DOT=magic,
         num_warps=num_warps,
         num_stages=1,
     )
