@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HostMemoryError", "HostMemoryPlan", "check_host_memory", "meminfo", "plan_host_memory"]
+import torch
+
+__all__ = [
+    "HostMemoryError",
+    "HostMemoryPlan",
+    "check_host_memory",
+    "empty_pinned_cache",
+    "meminfo",
+    "plan_host_memory",
+]
 
 GIB = 2**30
 
@@ -103,3 +112,18 @@ def check_host_memory(
             f"(of {total / GIB:.1f} GiB): the run may swap or be killed"
         )
     return None
+
+
+def empty_pinned_cache() -> bool:
+    """Hand the pinned blocks PyTorch keeps for reuse back to the system; ``False`` when this build has no way to.
+
+    Freeing a pinned tensor only returns its block to PyTorch's pinned-memory cache, where it stays resident.
+    Newer builds empty that cache through ``torch.accelerator.empty_host_cache``; older ones (2.11 among them)
+    only through the private ``torch._C._host_emptyCache``.
+    """
+    for owner, name in ((torch.accelerator, "empty_host_cache"), (torch._C, "_host_emptyCache")):
+        empty = getattr(owner, name, None)
+        if empty is not None:
+            empty()
+            return True
+    return False

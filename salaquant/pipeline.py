@@ -35,6 +35,7 @@ from torch import nn
 from . import host_memory
 from .background import BackgroundWriter
 from .calibration import samples_fingerprint
+from .host_memory import empty_pinned_cache
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
 from .model.config import LIGHTNING, SalaConfig
@@ -220,9 +221,7 @@ class CalibrationEngine:
         self.final_hidden = None
         self._spare = None
         if self.device.type == "cuda":
-            empty = getattr(torch.accelerator, "empty_host_cache", None)
-            if empty is not None:
-                empty()
+            empty_pinned_cache()
 
     def _largest_layer_bytes(self) -> int:
         """Bytes of the largest decoder layer as stored (headers only: no tensor data is read)."""

@@ -78,3 +78,40 @@ def test_gptq_command_reports_the_shortfall(tiny_ckpt: Path, tmp_path: Path, mon
     res = CliRunner().invoke(app, args)
     assert res.exit_code != 0
     assert "calibration needs" in res.output and "--max-samples" in res.output
+
+
+def test_empty_pinned_cache_falls_back_to_the_private_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("private"), raising=False)
+    assert hm.empty_pinned_cache() is True
+    assert calls == ["private"]
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("public"), raising=False)
+    assert hm.empty_pinned_cache() is True
+    assert calls == ["private", "public"]  # the public call when the build has it, and only that one
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache")
+    monkeypatch.delattr(torch._C, "_host_emptyCache")
+    assert hm.empty_pinned_cache() is False
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_pinned_memory_returns_to_the_system_after_release(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """The engine's hidden states are pinned: after ``release()`` the process must not keep them resident."""
+    ids = [torch.randint(0, 200, (1, 4096)) for _ in range(96)]
+    engine = CalibrationEngine(tiny_ckpt, ids, tmp_path / "work", EngineOptions(device="cuda"))
+    before = _rss_bytes()
+    engine.run(None)
+    assert engine.final_hidden is not None
+    held = sum(h.numel() * h.element_size() for h in engine.final_hidden)
+    assert held >= 64 * 2**20
+    engine.release()
+    assert engine.final_hidden is None
+    assert _rss_bytes() - before < held / 2  # the pinned block went back, not into PyTorch's cache
