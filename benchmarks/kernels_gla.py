@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -
             fla_out = None
             fla_ms = None
             if fla_chunk is not None:
+                print(f"prefill T={t} {dtype}: fla", file=sys.stderr, flush=True)
                 fla_out = fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
                 fla_ms = _bench(
                     lambda q=q, k=k, v=v: fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
@@ -78,6 +80,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -
             for precision, every, out_dtype in variants:
                 if dtype == torch.float32 and precision != "tf32" and every != 1:
                     continue  # the slower precisions once each
+                print(f"prefill T={t} {dtype}: {precision} every={every} out={out_dtype}", file=sys.stderr, flush=True)
                 row: dict = {
                     "kernel": "chunk",
                     "B": 1,
@@ -110,6 +113,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -
                     _prefill_bytes(q, every, out_bytes) / row["ours_ms"] / 1e9 if row["ours_ms"] else None
                 )
                 rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)  # a row that fails is seen even if the run dies
             del q, k, v, fla_out, ref_out
             torch.cuda.empty_cache()
     return rows
@@ -182,11 +186,12 @@ def main() -> None:
     ap.add_argument("--prefill-t", default="8192,32768,131072")
     ap.add_argument("--decode-b", default="1,8,64")
     ap.add_argument("--state-every", default="1,2,4", help="chunks per stored state, each timed")
+    ap.add_argument("--no-fla", action="store_true", help="time our kernels only, even where fla is importable")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     fla_chunk = fla_rec = None
-    if importlib.util.find_spec("fla") is not None:
+    if not args.no_fla and importlib.util.find_spec("fla") is not None:
         from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
         fla_chunk, fla_rec = chunk_simple_gla, fused_recurrent_simple_gla

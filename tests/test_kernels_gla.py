@@ -290,6 +290,28 @@ def _sala_inputs(t: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 @needs_cuda
+def test_gpu_chunk_bf16_every_output_config() -> None:
+    """bf16 inputs with fp32 and bf16 outputs through every output-kernel candidate, states every 1 and 2 chunks
+    (the autotuner may pick any of them; one tile miscompiled for a bf16 output once)."""
+    from salaquant.kernels.gla import triton_kernels as tk
+
+    q, k, v, s0, g = _sala_inputs(8192, 1, torch.bfloat16)
+    scale = 128**-0.5
+    o_ref, s_ref = ref.chunk_gla(q, k, v, g, scale, s0, output_final_state=True)
+    assert s_ref is not None
+    for config in tk.OUTPUT_CONFIGS:
+        for every in (1, 2):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                pinned = (tk.STATE_CONFIGS[0], config)
+                o, s = tk.chunk_fwd(q, k, v, g, scale, s0, True, configs=pinned, state_every=every, out_dtype=out_dtype)
+                torch.cuda.synchronize()
+                assert o.dtype == out_dtype and s is not None
+                case = (config, every, out_dtype)
+                assert _rel_err(o, o_ref) < 2e-2, case
+                assert _rel_err(s, s_ref) < 2e-2, case
+
+
+@needs_cuda
 def test_gpu_chunk_sala_shape() -> None:
     q, k, v, s0, g = _sala_inputs(4096, 1, torch.float32)
     scale = 128**-0.5

@@ -67,9 +67,11 @@ OUTPUT_CONFIGS: tuple[Config, ...] = (
     (128, 128, 8, 2),
     (64, 128, 8, 3),
     (64, 32, 4, 3),
-    (128, 32, 4, 2),
 )
-"""Autotune space of ``_chunk_output_kernel`` on the GPU."""
+"""Autotune space of ``_chunk_output_kernel`` on the GPU. ``(128, 32, 4, 2)`` was dropped: with bf16 inputs
+and a bf16 output it returned wrong values (relative error 0.75 at T=8192) and at T=32768 faulted with an
+illegal memory access on an H200 (Triton 3.6), where every other candidate matched the reference in that case
+(and every candidate with fp32 inputs and output)."""
 
 TUNED_CONFIGS: dict[tuple[int, int, int, str, torch.dtype], tuple[Config, Config]] = {
     # the calibration engine's case (fp32 operands, TF32 dots, SALA head dims) on Hopper
