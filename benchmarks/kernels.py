@@ -147,10 +147,10 @@ def infllm_rows(data: dict[str, Any] | None) -> list[dict[str, Any]]:
     )
     pre["met"] = None if pre["ratio"] is None else pre["ratio"] >= 8.0
     rows = [pre]
-    if data.get("prefill_sparse_kernel_select_ms"):
+    if data.get("prefill_sparse_reference_select_ms"):
         alt = _row(
-            f"InfLLM-v2 prefill T={t}, pooling + top-k kernel",
-            data["prefill_sparse_kernel_select_ms"],
+            f"InfLLM-v2 prefill T={t}, pooling + top-k in PyTorch",
+            data["prefill_sparse_reference_select_ms"],
             data.get("prefill_dense_sdpa_ms"),
             "SDPA dense causal",
             "ms",

