@@ -78,11 +78,18 @@ def test_compress_keys_matches_loop(tk: int, size: int, stride: int) -> None:
     while start + size <= tk:
         expected.append(k[:, start : start + size].float().sum(dim=1) / size)
         start += stride
-    assert out.dtype == torch.float32
+    assert out.dtype == torch.bfloat16  # the keys' dtype, as the model's own mean returns
     assert out.shape == (2, len(expected), 3, 5)
     assert num_compressed(tk, size, stride) == len(expected)
     if expected:
-        torch.testing.assert_close(out, torch.stack(expected, dim=1))
+        # the fp32 mean rounded once to bf16: at most one bf16 step apart (summation order)
+        want = torch.stack(expected, dim=1)
+        torch.testing.assert_close(out.float(), want.bfloat16().float(), rtol=2**-7, atol=0)
+        # the model's formulation: windows stacked, then torch's bf16 mean over the window axis
+        windows = torch.stack([k[:, i * stride : i * stride + size] for i in range(len(expected))], dim=1)
+        torch.testing.assert_close(out, windows.mean(dim=2), rtol=2**-7, atol=0)
+    k32 = k.float()
+    assert compress_keys(k32, size, stride).dtype == torch.float32
 
 
 @pytest.mark.parametrize(("size", "stride"), [(8, 4), (32, 16)])

@@ -10,7 +10,8 @@ sits at position ``q_start + i``; the ``G = Hq // Hkv`` query heads of a KV grou
   windows and sums the G rows of each token. Every output element is written (zeros where invisible).
   With few query tiles (decode) the K1 windows are split over several programs and pass 1 runs first as
   its own split kernel; the scoring programs merge its partial LSEs. The dot products run in the
-  compressed keys' dtype (fp32 from ``compress_keys``: TF32 on GPUs).
+  compressed keys' dtype (``compress_keys`` keeps the keys' dtype: bf16 dots for a bf16 model, TF32 for
+  fp32 keys on GPUs).
 - ``block_sparse_attention``: one program per (query token, batch * KV head[, split]). The G heads are
   the rows of a ``[G, D]`` tile; the program loops over the selected blocks (``-1``, future and
   out-of-range entries contribute nothing), masks keys after the query inside a block, and keeps an fp32

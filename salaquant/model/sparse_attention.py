@@ -110,31 +110,33 @@ def num_compressed(seq_len: int, kernel_size: int, stride: int) -> int:
 def compress_keys(k: Tensor, kernel_size: int, stride: int) -> Tensor:
     """Mean-pool full key windows: ``out[:, i] = mean(k[:, stride*i : stride*i + kernel_size])``.
 
-    ``k: [B, Tk, Hkv, D]`` -> ``[B, n, Hkv, D]`` in fp32 (always fp32, whatever ``k.dtype``).
+    ``k: [B, Tk, Hkv, D]`` -> ``[B, n, Hkv, D]`` in ``k.dtype``: summed in fp32 and rounded once, as the model's
+    own ``filtered_k.mean(dim=1)`` does for bf16 keys, so stage 1 scores the same bf16 compressed keys the
+    model's kernel takes (and runs bf16 tensor-core dots instead of TF32 ones).
     """
     b, tk, h, d = k.shape
     n = num_compressed(tk, kernel_size, stride)
     if n == 0:
-        return k.new_zeros(b, 0, h, d, dtype=torch.float32)
+        return k.new_zeros(b, 0, h, d)
     windows = k.float().unfold(1, kernel_size, stride)  # [B, n, H, D, kernel_size]
-    return windows.mean(dim=-1)
+    return windows.mean(dim=-1).to(k.dtype)
 
 
 def extend_compressed(k_full: Tensor, compressed: Tensor, kernel_size: int, stride: int) -> Tensor:
     """Append the windows completed since ``compressed`` was built from a prefix of ``k_full``.
 
-    The result equals ``compress_keys(k_full, kernel_size, stride)`` (fp32).
+    The result equals ``compress_keys(k_full, kernel_size, stride)``, in ``compressed.dtype``.
     """
     n_have = compressed.shape[1]
     n_total = num_compressed(k_full.shape[1], kernel_size, stride)
     if n_have > n_total:
         raise ValueError(f"compressed has {n_have} windows but k_full only allows {n_total}")
     if n_have == n_total:
-        return compressed.float()
+        return compressed
     begin = stride * n_have
     end = stride * (n_total - 1) + kernel_size
     new = compress_keys(k_full[:, begin:end], kernel_size, stride)
-    return torch.cat([compressed.float(), new], dim=1)
+    return torch.cat([compressed, new.to(compressed.dtype)], dim=1)
 
 
 def _group_queries(q: Tensor, num_kv_heads: int) -> Tensor:
