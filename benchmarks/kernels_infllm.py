@@ -210,8 +210,13 @@ def main() -> None:
     graph_phases = {
         "stage1": lambda: triton_kernels.stage1_scores(q1, k1, k2, q_start1, p),
         "pool_select": lambda: triton_kernels.pool_select(s1, q_start1, t, p),
+        # 8 steps of 16 counts instead of 32 steps of one (fewer dependent reductions for a decode row)
+        "pool_select_radix4": lambda: triton_kernels.pool_select(s1, q_start1, t, p, radix_bits=4),
         "stage2": lambda: triton_kernels.block_sparse_attention(q1, k, v, idx1, q_start1, p),
     }
+    res["decode_pool_select_radix4_equals_reference"] = bool(
+        torch.equal(triton_kernels.pool_select(s1, q_start1, t, p, radix_bits=4), idx1)
+    )
     res["decode_phases_graph_us"] = {}
     for name, fn in graph_phases.items():
         ms = _graph_bench(fn, 200)

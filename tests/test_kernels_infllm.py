@@ -130,6 +130,22 @@ def test_stage2_arbitrary_indices(splits: int) -> None:
 
 
 @needs_triton
+def test_stage2_merges_splits_in_several_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One split per selected block, more splits than one merge load holds: the chunked merge matches."""
+    params = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=24)
+    b, tq, tk, hkv, g, d = 1, 2, 600, 2, 2, 16
+    q, k, v = _qkv(b, tq, tk, hkv, g, d, torch.float32)
+    k1, k2 = _compressed(k, params)
+    q_start = tk - tq
+    idx = _select(ref.stage1_scores(q, k1, k2, q_start, params), q_start, tk, params).to(torch.int32)
+    assert idx.shape[-1] > 16  # > MERGE_SPLITS_PER_LOAD below
+    monkeypatch.setattr(_kernels(), "MERGE_SPLITS_PER_LOAD", 16)
+    out = torch.full_like(q, float("nan"))
+    got = _kernels().block_sparse_attention(q, k, v, idx, q_start, params, out=out, num_splits=idx.shape[-1])
+    torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, params), **_tol(q.dtype))
+
+
+@needs_triton
 @pytest.mark.parametrize(("tq", "tk", "dtype"), [(32, 200, torch.float32), (1, 203, torch.float16)])
 @pytest.mark.parametrize("kernel_select", [None, True, False])
 def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel_select: bool | None) -> None:
@@ -163,7 +179,8 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel
         ),
     ],
 )
-def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
+@pytest.mark.parametrize("radix_bits", [1, 4])
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix_bits: int) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
     them by lower block index)."""
     gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
@@ -175,21 +192,28 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -
     q_start = tk - tq
     want = _select(scores, q_start, tk, params)
     out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
-    got = _kernels().pool_select(scores, q_start, tk, params, out=out)
+    got = _kernels().pool_select(scores, q_start, tk, params, out=out, radix_bits=radix_bits)
     assert got is out
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
+@pytest.mark.parametrize("radix_bits", [1, 2, 8])
 @pytest.mark.parametrize("value", [0.0, 0.5])
-def test_pool_select_all_scores_equal(value: float) -> None:
+def test_pool_select_all_scores_equal(value: float, radix_bits: int) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
     tq, tk = 40, 2000
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.full((1, 2, tq, n1), value, device=DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params)
+    got = _kernels().pool_select(scores, tk - tq, tk, params, radix_bits=radix_bits)
     assert torch.equal(got.long().cpu(), want.cpu())
+
+
+def test_pool_select_radix_bits_checked() -> None:
+    scores = torch.zeros(1, 1, 1, 10, device=DEV)
+    with pytest.raises(ValueError, match="radix_bits"):
+        _kernels().pool_select(scores, 0, 48, SMALL, radix_bits=3)
 
 
 def test_dispatch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,7 +321,8 @@ def test_gpu_sala_pipeline(sala_inputs: dict[str, torch.Tensor]) -> None:
 
 
 @needs_cuda
-def test_gpu_sala_pool_select_at_128k() -> None:
+@pytest.mark.parametrize("radix_bits", [1, 4])
+def test_gpu_sala_pool_select_at_128k(radix_bits: int) -> None:
     """Decode-sized pooling + top-k over the 2,048 blocks of a 131,072-token context, exact against the reference."""
     t, tq = 131072, 4
     n1 = ref.num_compressed(t, SALA.kernel_size, SALA.kernel_stride)
@@ -306,4 +331,4 @@ def test_gpu_sala_pool_select_at_128k() -> None:
     scores[..., ::5] = (scores[..., ::5] * 8).round() / 8
     scores = scores.cuda()
     want = _select(scores, t - tq, t, SALA)
-    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA).long(), want)
+    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA, radix_bits=radix_bits).long(), want)

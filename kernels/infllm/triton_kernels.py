@@ -40,6 +40,8 @@ from ..host import cdiv, next_power_of_2
 __all__ = ["block_sparse_attention", "pool_select", "stage1_scores"]
 
 _LOG2E = 1.4426950408889634
+MERGE_SPLITS_PER_LOAD = 64
+"""Most partial results the split-merge kernel loads in one round (a ``[splits, head_dim]`` fp32 tile)."""
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -428,39 +430,41 @@ def _merge_splits_kernel(
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Combine the ``n_splits`` partial outputs of one (token, KV group) by their LSE weights."""
+    """Combine the ``n_splits`` partial outputs of one (token, KV group, query head) by their LSE weights.
+
+    ``BLOCK_S`` splits are loaded at once (one round of loads for up to ``BLOCK_S`` splits, instead of one
+    dependent step per split); more splits than that are folded in chunk by chunk.
+    """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_g = tl.program_id(2)
     b = (pid_bh // n_kv_heads).to(tl.int64)
     h = pid_bh % n_kv_heads
     t_idx = pid_t.to(tl.int64)
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    den = tl.zeros([BLOCK_G], dtype=tl.float32)
-    num = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([], -1.0e30, dtype=tl.float32)
+    den = tl.full([], 0.0, dtype=tl.float32)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
     row0 = (pid_bh.to(tl.int64) * tq + t_idx) * n_splits
-    for sp in range(0, n_splits):
-        row = row0 + sp
-        lse = tl.load(part_lse_ptr + row * BLOCK_G + offs_g)
-        o = tl.load(part_o_ptr + (row * BLOCK_G + offs_g)[:, None] * BLOCK_D + offs_d[None, :])
-        m_new = tl.maximum(m_i, lse)
+    for s0 in range(0, n_splits, BLOCK_S):
+        sp = s0 + offs_s
+        ok = sp < n_splits
+        slot = (row0 + sp) * BLOCK_G + pid_g  # [BLOCK_S]: this head's entry of each split
+        lse = tl.load(part_lse_ptr + slot, mask=ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(lse, 0))  # finite: m_i starts at -1e30
+        w = tl.exp2(lse - m_new)  # 0 for empty splits (lse = -inf) and padding
         alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)  # 0 for empty splits (lse = -inf)
-        den = den * alpha + w
-        num = num * alpha[:, None] + w[:, None] * o
+        den = den * alpha + tl.sum(w, 0)
+        num = num * alpha + tl.sum(w[:, None] * o, 0)
         m_i = m_new
-    out = tl.where((den > 0.0)[:, None], num / tl.maximum(den, 1e-30)[:, None], 0.0)
-    o_ptrs = (
-        out_ptr
-        + b * stride_ob
-        + t_idx * stride_ot
-        + (h * G + offs_g)[:, None] * stride_oh
-        + offs_d[None, :] * stride_od
-    )
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None] & (offs_d < head_dim)[None, :])
+    out = tl.where(den > 0.0, num / tl.maximum(den, 1e-30), 0.0)
+    o_ptrs = out_ptr + b * stride_ob + t_idx * stride_ot + (h * G + pid_g) * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 @triton.jit
@@ -483,14 +487,16 @@ def _pool_select_kernel(
     INIT_BLOCKS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
-    Each pooled score becomes its order-preserving int32 image. A binary search over that integer range (32
-    halvings, each a count over the row) finds ``v``, the ``k``-th largest image; the blocks above ``v`` are
-    chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores: lower block
-    first). No sort: the cost is 32 reductions whatever ``k``. The chosen blocks are written in ascending
-    order (future ones as -1).
+    Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
+    the ``k``-th largest image; the blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order
+    until there are ``k`` (equal scores: lower block first). No sort. ``RADIX_BITS = 1``: 32 halvings, each one
+    count over the row; ``RADIX_BITS = b > 1``: ``32 / b`` steps, each fixing ``b`` bits of ``v`` from
+    ``2^b`` counts made together (fewer dependent steps, more comparisons: for rows that are few, as in
+    decode). The chosen blocks are written in ascending order (future ones as -1).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -512,13 +518,27 @@ def _pool_select_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # float order as signed integers
     ordered = tl.where(in_range, ordered, -4294967296)  # below every int32 image: never counted
     # largest v with count(ordered >= v) >= k; the count at v = INT32_MIN is n_blocks >= k
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((ordered >= mid).to(tl.int32), 0) >= k_sel
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+    if RADIX_BITS == 1:
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((ordered >= mid).to(tl.int32), 0) >= k_sel
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+    else:
+        # u = image + 2^31 in [0, 2^32). Invariants at each step's shift s: count(u >= v) >= k and
+        # count(u >= v + 2^(s + RADIX_BITS)) < k, so of the candidates v + j 2^s (j = 1 .. 2^RADIX_BITS, counts
+        # falling with j) the last one that keeps k blocks gives the next v; at s = 0, v is the k-th largest u.
+        tl.static_assert(32 % RADIX_BITS == 0, "RADIX_BITS must divide 32")
+        u = ordered + 2147483648  # the excluded blocks stay negative: never counted
+        v = tl.full([], 0, tl.int64)
+        digits = (tl.arange(0, 1 << RADIX_BITS) + 1).to(tl.int64)
+        for step in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (step + 1)
+            counts = tl.sum((u[None, :] >= (v + (digits << shift))[:, None]).to(tl.int32), 1)
+            v += tl.sum((counts >= k_sel).to(tl.int64), 0) << shift
+        lo = v - 2147483648
     above = ordered > lo
     tied = ordered == lo
     need = k_sel - tl.sum(above.to(tl.int32), 0)
@@ -529,14 +549,24 @@ def _pool_select_kernel(
 
 
 def pool_select(
-    scores: Tensor, q_start: int, tk: int, params: SparseParams, *, out: Tensor | None = None, num_warps: int = 4
+    scores: Tensor,
+    q_start: int,
+    tk: int,
+    params: SparseParams,
+    *,
+    out: Tensor | None = None,
+    num_warps: int = 4,
+    radix_bits: int = 1,
 ) -> Tensor:
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
     one program per (query, batch * KV head); a row costs 32 counts over ``next_power_of_2(n_blocks)`` pooled
-    scores. ``out`` (int32, that shape, contiguous) receives the result when given.
+    scores in 32 dependent steps (``radix_bits=1``), or ``32 / radix_bits`` steps of ``2^radix_bits`` counts
+    each (``radix_bits`` 2, 4 or 8). ``out`` (int32, that shape, contiguous) receives the result when given.
     """
+    if radix_bits not in (1, 2, 4, 8):
+        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits}")
     b, hkv, tq, n1 = scores.shape
     n_blocks = cdiv(tk, params.block_size)
     k_sel = min(params.total_topk, n_blocks)
@@ -566,6 +596,7 @@ def pool_select(
         INIT_BLOCKS=params.init_blocks,
         LOCAL_BLOCKS=params.local_blocks,
         BLOCK_NB=_pow2(n_blocks),
+        RADIX_BITS=radix_bits,
         num_warps=num_warps,
     )
     return idx
@@ -766,7 +797,7 @@ def block_sparse_attention(
         num_stages=num_stages,
     )
     if split:
-        _merge_splits_kernel[(tq, b * hkv)](
+        _merge_splits_kernel[(tq, b * hkv, g)](
             part_o,
             part_lse,
             out,
@@ -778,6 +809,7 @@ def block_sparse_attention(
             G=g,
             BLOCK_G=block_g,
             BLOCK_D=block_d,
+            BLOCK_S=min(_pow2(splits), MERGE_SPLITS_PER_LOAD),
             num_warps=4,
         )
     return out
