@@ -59,7 +59,7 @@ def _phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: SparseParams, 
     they differ."""
     tq, tk = q.shape[1], k.shape[1]
     spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {
-        name: [] for name in ("compress", "stage1", "pool_topk", "pool_select_kernel", "stage2")
+        name: [] for name in ("compress", "stage1", "pool_topk", "pool_select_kernel", "stage2", "stage2_local_dense")
     }
 
     def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -92,6 +92,8 @@ def _phases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: SparseParams, 
         mismatched_rows[0] += int((mine != idx[:, :, c0:c1]).any(dim=-1).sum())
         del scores, mine
     timed("stage2", triton_kernels.block_sparse_attention, q, k, v, idx, 0, p)
+    # forced blocks through the sliding-window kernel, the rest per query (the forced-block filter included)
+    timed("stage2_local_dense", lambda: triton_kernels.block_sparse_attention(q, k, v, idx, 0, p, local_dense=True))
     torch.cuda.synchronize()
     times = {name: sum(a.elapsed_time(b) for a, b in pairs) for name, pairs in spans.items()}
     return {**times, "pool_select_kernel_mismatched_rows": float(mismatched_rows[0])}
@@ -145,6 +147,15 @@ def main() -> None:
         return infllm.infllm_v2_attention(
             q, k, v, p, backend="triton", select_chunk=args.select_chunk, kernel_select=False
         )
+
+    def sparse_prefill_local_dense() -> torch.Tensor:  # forced blocks by the sliding-window kernel
+        return infllm.infllm_v2_attention(
+            q, k, v, p, backend="triton", select_chunk=args.select_chunk, local_dense=True
+        )
+
+    res["prefill_local_dense_max_abs_diff"] = float((sparse_prefill_local_dense() - sparse_prefill()).abs().max())
+    res["prefill_sparse_local_dense_ms"] = _bench(sparse_prefill_local_dense, args.rep_ms)
+    res["prefill_local_dense_speedup"] = res["prefill_dense_sdpa_ms"] / res["prefill_sparse_local_dense_ms"]
 
     sparse_prefill_reference_select()
     res["prefill_sparse_reference_select_ms"] = _bench(sparse_prefill_reference_select, args.rep_ms)
@@ -260,6 +271,12 @@ def main() -> None:
 
     rows = [
         (f"prefill T={t}", res["prefill_sparse_ms"], res["prefill_dense_sdpa_ms"], "ms"),
+        (
+            f"prefill T={t} local dense",
+            res["prefill_sparse_local_dense_ms"],
+            res["prefill_dense_sdpa_ms"],
+            "ms",
+        ),
         (
             f"prefill T={t} PyTorch select",
             res["prefill_sparse_reference_select_ms"],

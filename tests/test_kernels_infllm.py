@@ -129,6 +129,56 @@ def test_stage2_arbitrary_indices(splits: int) -> None:
     assert (got[0, 2, 2:4] == 0).all()
 
 
+INIT2 = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=2, block_size=16, window_size=32, topk=3)
+
+# (b, tq, tk, hkv, g, d, dtype, params, local_block_m)
+LOCAL_CASES = {
+    "prefill-from-0": (1, 104, 104, 1, 2, 16, torch.float32, SMALL, 16),
+    "chunk-unaligned": (2, 37, 200, 2, 2, 16, torch.float32, SMALL, 16),
+    "tile-over-blocks": (1, 64, 300, 1, 4, 16, torch.float32, SMALL, 32),
+    "two-init-blocks": (1, 50, 260, 2, 2, 16, torch.float32, INIT2, 16),
+    "block24": (1, 45, 190, 1, 2, 16, torch.float32, BLOCK24, 16),
+    "block24-from-0": (1, 90, 90, 1, 2, 16, torch.float32, BLOCK24, 16),  # init tiles reaching past lo
+    "fp16-d-not-pow2": (1, 40, 230, 2, 2, 24, torch.float16, SMALL, 16),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_stage2_local_dense_matches_reference(case: str) -> None:
+    """Forced blocks through the sliding-window kernel, the rest through the block kernel: the same attention."""
+    b, tq, tk, hkv, g, d, dtype, params, block_m = LOCAL_CASES[case]
+    assert params.total_topk >= params.init_blocks + params.local_blocks + 1  # the selection holds every forced block
+    q, k, v = _qkv(b, tq, tk, hkv, g, d, dtype)
+    k1, k2 = _compressed(k, params)
+    q_start = tk - tq
+    idx = _select(ref.stage1_scores(q, k1, k2, q_start, params), q_start, tk, params).to(torch.int32)
+    out = torch.full_like(q, float("nan"))
+    got = _kernels().block_sparse_attention(
+        q, k, v, idx, q_start, params, out=out, local_dense=True, local_block_m=block_m
+    )
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, params), **_tol(dtype))
+
+
+def test_stage2_local_dense_refuses_splits() -> None:
+    q, k, v = _qkv(1, 4, 64, 1, 2, 16, torch.float32)
+    idx = torch.zeros(1, 1, 4, 2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="splits"):
+        _kernels().block_sparse_attention(q, k, v, idx, 60, SMALL, local_dense=True, num_splits=2)
+
+
+def test_without_forced_keeps_the_rest() -> None:
+    """Hand-made rows: forced blocks (init 0, window qb-2..qb) leave, the others stay, longest row kept."""
+    idx = torch.tensor([[[[0, 3, 7, 8, 9], [0, 1, 2, 5, 9], [0, 6, 7, 8, 9]]]])
+    # SMALL: block 16, init 1, local 2; queries at 158, 159, 160 -> qb 9, 9, 10
+    got = _kernels()._without_forced(idx, 158, SMALL)
+    assert got.dtype == torch.int32 and got.shape == (1, 1, 3, 3)  # the longest row keeps 3
+    assert got[0, 0, 0].tolist() == [3, -1, -1]
+    assert got[0, 0, 1].tolist() == [5, 2, 1]
+    assert got[0, 0, 2].tolist() == [7, 6, -1]
+
+
 @needs_triton
 def test_stage2_merges_splits_in_several_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """One split per selected block, more splits than one merge load holds: the chunked merge matches."""
@@ -162,6 +212,26 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel
         assert torch.equal(idx, _select(ref.stage1_scores(q, k1, k2, q_start, SMALL), q_start, tk, SMALL))
         torch.testing.assert_close(got, ref.infllm_v2_attention(q, k, v, SMALL), **_tol(dtype))
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, SMALL), **_tol(dtype))
+
+
+@needs_triton
+def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``infllm_v2_attention(local_dense=True)`` over a prefill long enough to take the sliding-window kernel."""
+    tq = tk = infllm.LOCAL_DENSE_MIN_QUERIES + 40
+    q, k, v = _qkv(1, tq, tk, 2, 2, 16, torch.float32)
+    kernel, launches = _kernels()._local_attention_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(_kernels(), "_local_attention_kernel", Spy())
+    got = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton", local_dense=True)
+    assert len(launches) == 1  # the sliding-window kernel ran
+    k1, k2 = _compressed(k, SMALL)
+    idx = _select(infllm.stage1_scores(q, k1, k2, 0, SMALL, backend="triton"), 0, tk, SMALL)
+    torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, 0, SMALL), **_tol(q.dtype))
 
 
 @needs_triton
@@ -279,6 +349,9 @@ def test_gpu_sala_stage2(sala_inputs: dict[str, torch.Tensor]) -> None:
     got = infllm.block_sparse_attention(q, k, v, idx, 0, SALA, backend="triton")
     expected = ref.block_sparse_attention(q, k, v, idx, 0, SALA, query_chunk=128)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    # forced blocks through the sliding-window kernel
+    got_local = infllm.block_sparse_attention(q, k, v, idx, 0, SALA, backend="triton", local_dense=True)
+    torch.testing.assert_close(got_local.float(), expected.float(), rtol=2e-2, atol=2e-2)
     # decode (split path) for the last token against the same keys
     got1 = infllm.block_sparse_attention(q[:, -1:], k, v, idx[:, :, -1:], q.shape[1] - 1, SALA, backend="triton")
     torch.testing.assert_close(got1.float(), expected[:, -1:].float(), rtol=2e-2, atol=2e-2)

@@ -22,6 +22,7 @@ from salaquant.model.sparse_attention import SparseParams
 
 __all__ = [
     "BACKENDS",
+    "LOCAL_DENSE_MIN_QUERIES",
     "SELECT_CHUNK",
     "block_sparse_attention",
     "infllm_v2_attention",
@@ -32,6 +33,9 @@ __all__ = [
 BACKENDS = ("auto", "triton", "reference")
 SELECT_CHUNK = 8192
 """Queries scored and selected per step in ``infllm_v2_attention`` (bounds the ``[.., chunk, n1]`` buffers)."""
+LOCAL_DENSE_MIN_QUERIES = 64
+"""Fewest queries for which ``infllm_v2_attention(local_dense=True)`` runs the sliding-window kernel (decode
+keeps the split block kernel)."""
 
 
 def _kernels() -> ModuleType:
@@ -86,10 +90,15 @@ def block_sparse_attention(
     params: SparseParams,
     query_chunk: int = 256,
     backend: str = "auto",
+    *,
+    local_dense: bool = False,
 ) -> Tensor:
-    """Attention over the selected key blocks, ``[B, Tq, Hq, D]`` in ``q.dtype``; see the reference."""
+    """Attention over the selected key blocks, ``[B, Tq, Hq, D]`` in ``q.dtype``; see the reference.
+
+    ``local_dense`` (Triton path) attends the forced blocks with a sliding-window kernel first; ``block_idx``
+    must then hold every forced block of its row, as the selection produces (same result)."""
     if _use_triton(backend, q, k, v, block_idx):
-        return _kernels().block_sparse_attention(q, k, v, block_idx, q_start, params)
+        return _kernels().block_sparse_attention(q, k, v, block_idx, q_start, params, local_dense=local_dense)
     return ref.block_sparse_attention(q, k, v, block_idx, q_start, params, query_chunk=query_chunk)
 
 
@@ -104,13 +113,17 @@ def infllm_v2_attention(
     *,
     select_chunk: int = SELECT_CHUNK,
     kernel_select: bool | None = None,
+    local_dense: bool = False,
 ) -> Tensor:
     """Full InfLLM-v2 pipeline; queries are the last ``Tq`` of the ``Tk`` keys.
 
     ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). Scoring,
     pooling and selection run ``select_chunk`` queries at a time; stage 2 runs once over all queries.
     ``kernel_select`` pools and selects with the Triton kernel (``True``) or the reference functions
-    (``False``); ``None`` takes the kernel on the Triton path.
+    (``False``); ``None`` takes the kernel on the Triton path. ``local_dense`` attends the forced blocks (init
+    and local window) with the sliding-window kernel, tiles of queries sharing their keys, when the selection
+    always holds them (``total_topk >= init_blocks + local_blocks + 1``) and there are at least
+    ``LOCAL_DENSE_MIN_QUERIES`` queries; otherwise it is ignored.
     """
     tq, tk = q.shape[1], k.shape[1]
     if tq > tk:
@@ -134,4 +147,6 @@ def infllm_v2_attention(
         scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
         idx[:, :, c0:c1] = pool_select(scores, start, tk, params, select_backend)
         del scores
-    return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend)
+    forced_fit = params.total_topk >= params.init_blocks + params.local_blocks + 1
+    dense_local = local_dense and forced_fit and tq >= LOCAL_DENSE_MIN_QUERIES
+    return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend, local_dense=dense_local)

@@ -284,6 +284,103 @@ def _stage1_kernel(
 
 
 @triton.jit
+def _local_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    tq,
+    q_start,
+    n_q_heads,
+    head_dim,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    qk_scale,
+    G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INIT_BLOCKS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Attention of ``BLOCK_M`` consecutive queries of one query head over their forced blocks only: the init
+    blocks and the local window ``qb - LOCAL_BLOCKS .. qb`` (causal). Neighbouring queries share these keys, so
+    a tile reads each key once for all its rows, as dense sliding-window attention does. Writes the normalized
+    fp32 output ``[B, Tq, Hq, D]`` and the log2-domain LSE ``[B, Hq, Tq]`` that the block kernel starts from.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // n_q_heads).to(tl.int64)
+    hq = pid_bh % n_q_heads
+    h = hq // G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tq
+    pos = q_start + rows  # absolute query positions
+    win_lo = (pos // BLOCK_SIZE - LOCAL_BLOCKS) * BLOCK_SIZE  # first key of each row's local window
+    init_hi: tl.constexpr = INIT_BLOCKS * BLOCK_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < head_dim
+
+    q_base = q_ptr + b * stride_qb + hq * stride_qh
+    q = tl.load(
+        q_base + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+
+    first = q_start + pid_m * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, q_start + tq) - 1
+    lo = tl.maximum((first // BLOCK_SIZE - LOCAL_BLOCKS) * BLOCK_SIZE, 0)  # the tile's lowest window key
+    # init keys below lo first (tiles of them, keys >= lo masked), then every key from lo to the last query
+    n_init = tl.cdiv(tl.minimum(init_hi, lo), BLOCK_N)
+    n_main = tl.cdiv(last + 1 - lo, BLOCK_N)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i in range(0, n_init + n_main):
+        in_init = i < n_init
+        start = tl.where(in_init, i * BLOCK_N, lo + (i - n_init) * BLOCK_N)
+        keys = start + offs_n
+        key_ok = (keys <= last) & ((keys < lo) | (i >= n_init))
+        koff = tl.minimum(keys, last).to(tl.int64)  # in bounds; masked rows are never used
+        kt = tl.load(k_base + koff[None, :] * stride_kt + offs_d[:, None] * stride_kd, mask=d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt) * qk_scale
+        allowed = (
+            key_ok[None, :]
+            & (keys[None, :] <= pos[:, None])
+            & ((keys[None, :] < init_hi) | (keys[None, :] >= win_lo[:, None]))
+        )
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vb = tl.load(v_base + koff[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        m_i = m_new
+
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]  # every query sees its own key: l > 0
+    o_rows = (b * tq + rows.to(tl.int64)) * n_q_heads + hq
+    tl.store(o_ptr + o_rows[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_ptr + (b * n_q_heads + hq) * tq + rows, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_ok)
+
+
+@triton.jit
 def _stage2_kernel(
     q_ptr,
     k_ptr,
@@ -292,6 +389,8 @@ def _stage2_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
+    local_o_ptr,
+    local_lse_ptr,
     tq,
     q_start,
     n_kv_heads,
@@ -327,10 +426,13 @@ def _stage2_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    LOCAL_DONE: tl.constexpr,
 ):
     """One query token and KV group over its selected blocks (or one ``blocks_per_split`` slice of them).
 
-    With ``SPLIT`` the normalized partial output and its log2-domain LSE go to the fp32 scratch buffers.
+    With ``SPLIT`` the normalized partial output and its log2-domain LSE go to the fp32 scratch buffers. With
+    ``LOCAL_DONE`` the forced blocks were attended by ``_local_attention_kernel`` and the list holds the other
+    blocks only: the online softmax starts from the local output and LSE.
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -359,9 +461,18 @@ def _stage2_kernel(
     s_end = tl.minimum(s_begin + blocks_per_split, n_sel)
     idx_p = idx_ptr + b * stride_ib + h * stride_ih + t_idx * stride_it + s_begin.to(tl.int64) * stride_is
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if LOCAL_DONE:
+        # (m, l, acc) = (lse, 1, o) is the normalized local result as an online-softmax state
+        hq_rows = h * G + offs_g
+        n_q_heads = n_kv_heads * G
+        m_i = tl.load(local_lse_ptr + (b * n_q_heads + hq_rows) * tq + t_idx, mask=g_ok, other=-1.0e30)
+        l_i = tl.where(g_ok, 1.0, 0.0)
+        local_rows = (b * tq + t_idx) * n_q_heads + hq_rows
+        acc = tl.load(local_o_ptr + local_rows[:, None] * BLOCK_D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     SUBS: tl.constexpr = (BLOCK_SIZE + BLOCK_N - 1) // BLOCK_N  # key tiles per block
     nxt = tl.load(idx_p, mask=s_begin < s_end, other=-1)
     for si in range(s_begin, s_end):
@@ -713,6 +824,19 @@ def _default_splits(rows: int, n_sel: int) -> int:
     return max(1, min(cdiv(512, rows), cdiv(n_sel, 2)))
 
 
+def _without_forced(block_idx: Tensor, q_start: int, params: SparseParams) -> Tensor:
+    """``block_idx`` without each row's forced blocks, the rest first (descending), trimmed to the longest row;
+    rows with nothing left keep one -1."""
+    tq = block_idx.shape[2]
+    qb = (q_start + torch.arange(tq, device=block_idx.device)) // params.block_size
+    blk = block_idx.long()
+    qb = qb.view(1, 1, tq, 1)
+    forced = (blk < params.init_blocks) | ((blk >= qb - params.local_blocks) & (blk <= qb))
+    rest = torch.where(forced, -1, blk).sort(dim=-1, descending=True).values
+    keep = max(1, int((rest >= 0).sum(dim=-1).max())) if rest.numel() else 1
+    return rest[..., :keep].to(torch.int32).contiguous()
+
+
 def block_sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -727,6 +851,8 @@ def block_sparse_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    local_dense: bool = False,
+    local_block_m: int = 64,
 ) -> Tensor:
     """Attention over the selected key blocks, ``[B, Tq, Hq, D]`` in ``q.dtype``.
 
@@ -735,6 +861,12 @@ def block_sparse_attention(
     unused. ``num_splits`` splits the ``S`` selected blocks over that many programs per row (default:
     chosen from the number of rows). Each block is read in key tiles of ``min(block_n, block_size)``
     (rounded up to a power of two, at least 16).
+
+    ``local_dense`` attends each row's forced blocks (init blocks and local window, which every row of
+    ``select_blocks`` holds whenever ``total_topk >= init_blocks + local_blocks + 1``) with a sliding-window
+    kernel over tiles of ``local_block_m`` queries, which read those keys once per tile instead of once per
+    query, then the remaining selected blocks per row as usual. ``block_idx`` must then contain every forced
+    block of its row, as the selection produces; the result is the same attention. Not with splits.
     """
     del query_chunk
     b, tq, hq, d = q.shape
@@ -754,8 +886,41 @@ def block_sparse_attention(
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
     if b * tq * hq == 0:
         return out
-    n_sel = block_idx.shape[3]
     block_g, block_d = _pow2(g), _pow2(d)
+    local_o = local_lse = out  # unused unless local_dense
+    if local_dense:
+        if num_splits not in (None, 1):
+            raise ValueError("local_dense runs without splits")
+        num_splits = 1
+        block_idx = _without_forced(block_idx, q_start, params)
+        local_o = torch.empty(b, tq, hq, block_d, dtype=torch.float32, device=q.device)
+        local_lse = torch.empty(b, hq, tq, dtype=torch.float32, device=q.device)
+        block_m = _pow2(local_block_m)
+        _local_attention_kernel[(cdiv(tq, block_m), b * hq)](
+            q,
+            k,
+            v,
+            local_o,
+            local_lse,
+            tq,
+            q_start,
+            hq,
+            d,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            _LOG2E / math.sqrt(d),
+            G=g,
+            BLOCK_SIZE=params.block_size,
+            INIT_BLOCKS=params.init_blocks,
+            LOCAL_BLOCKS=params.local_blocks,
+            BLOCK_M=block_m,
+            BLOCK_N=min(_pow2(block_n), _pow2(params.block_size)),
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    n_sel = block_idx.shape[3]
     splits = _default_splits(b * hkv * tq, n_sel) if num_splits is None else max(1, num_splits)
     per_split = max(1, cdiv(n_sel, splits)) if n_sel else 1
     splits = max(1, cdiv(n_sel, per_split))
@@ -773,6 +938,8 @@ def block_sparse_attention(
         out,
         part_o,
         part_lse,
+        local_o,
+        local_lse,
         tq,
         q_start,
         hkv,
@@ -793,6 +960,7 @@ def block_sparse_attention(
         BLOCK_D=block_d,
         EVEN_D=block_d == d,
         SPLIT=split,
+        LOCAL_DONE=local_dense,
         num_warps=num_warps,
         num_stages=num_stages,
     )
