@@ -275,6 +275,60 @@ def test_search_strictly_improves_heavy_tailed() -> None:
     assert bool((res.scales.float() < plain.float()).any())
 
 
+def _search_every_factor(
+    w: torch.Tensor, s2: torch.Tensor, imp: torch.Tensor, iters: int, max_shrink: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force through the public API: quantize with every factor's scales, keep each block's first least
+    error. Returns (scale bits, per-block error)."""
+    best_bits = best_err = torch.empty(0)
+    for t, f in enumerate(shrink_factors(iters, max_shrink)):
+        scales = block_scales(w, s2, shrink=torch.tensor(f))
+        err = _weighted_block_err(w, quantize_nvfp4(w, s2, scales), imp)
+        if t == 0:
+            best_bits, best_err = _bits(scales).clone(), err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_bits = torch.where(better, _bits(scales), best_bits)
+    return best_bits, best_err
+
+
+@pytest.mark.parametrize(("iters", "max_shrink"), [(80, 0.6), (200, 0.3), (41, 0.5), (9, 0.6)])
+def test_search_equals_trying_every_factor(iters: int, max_shrink: float) -> None:
+    """The search over FP8 values (fine factor grids) and the factor loop (coarse ones) both give exactly the
+    brute-force choice: normal and heavy-tailed weights, zero and tiny blocks (subnormal and clamped scales),
+    global scales that make large blocks clamp at 448, zero importances."""
+    g = torch.Generator().manual_seed(21 + iters)
+    for trial in range(6):
+        w = _with_specials((_heavy if trial % 2 else _normal)((12, 96), g))
+        if trial % 3 == 2:
+            w = w.to(torch.bfloat16)
+        imp = torch.rand(96, generator=g) * 5
+        imp[:: 4 + trial] = 0.0
+        imp[2 * BLOCK : 3 * BLOCK] = 0.0  # a block whose every scale scores 0: the plain one must stay
+        s2 = global_scale(w.abs().amax().float()) / (1.0 if trial < 3 else 40.0)  # / 40: scales clamp at 448
+        want_bits, want_err = _search_every_factor(w, s2, imp, iters, max_shrink)
+        res = search_block_scales(w, s2, imp, iters=iters, max_shrink=max_shrink)
+        assert torch.equal(_bits(res.scales), want_bits), trial
+        assert res.error_searched == pytest.approx(float(want_err.double().sum()), rel=1e-6, abs=1e-30)
+
+
+def test_search_tries_each_fp8_value_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """80 factors over 1.0-0.4 reach about 12 FP8 values per block: that many passes, not 80."""
+    import salaquant.nvfp4.numerics as numerics
+
+    calls = []
+    real = numerics._scale_error
+    monkeypatch.setattr(numerics, "_scale_error", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    w = _heavy((16, 128), g)
+    search_block_scales(w, global_scale(w.abs().amax()), torch.rand(128, generator=g), iters=80, max_shrink=0.6)
+    assert 10 <= len(calls) <= 14  # 8 E4M3 steps per octave over log2(1 / 0.4) = 1.3 octaves, plus the plain one
+    calls.clear()
+    search_block_scales(w, global_scale(w.abs().amax()), torch.rand(128, generator=g), iters=9, max_shrink=0.6)
+    assert len(calls) == 9  # too coarse to reach every FP8 value: every factor
+
+
 def test_search_one_iter_is_plain() -> None:
     g = torch.Generator().manual_seed(4)
     w = _with_specials(_heavy((16, 64), g))
