@@ -56,20 +56,19 @@ def main() -> None:
         for out in args.out_dtypes.split(",")
     ]
     for pinned, every, out in cases:
-        if True:
-            cmd = [sys.executable, "-c", CHILD, str(args.t), args.dtype, str(every), out, pinned]
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False)
-                rc, text = p.returncode, (p.stdout + p.stderr)
-            except subprocess.TimeoutExpired:
-                rc, text = -1, "timeout"
-            row = {"configs": pinned, "state_every": every, "out_dtype": out, "rc": rc}
-            if rc == 0:
-                row.update(json.loads(text.strip().splitlines()[-1]))
-            else:
-                row["error"] = text[-1500:]
-            print(json.dumps(row)[:400], flush=True)
-            rows.append(row)
+        cmd = [sys.executable, "-c", CHILD, str(args.t), args.dtype, str(every), out, pinned]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False)
+            rc, text = p.returncode, (p.stdout + p.stderr)
+        except subprocess.TimeoutExpired:
+            rc, text = -1, "timeout"
+        row = {"configs": pinned, "state_every": every, "out_dtype": out, "rc": rc}
+        if rc == 0:
+            row.update(json.loads(text.strip().splitlines()[-1]))
+        else:
+            row["error"] = text[-1500:]
+        print(json.dumps(row)[:400], flush=True)
+        rows.append(row)
     (args.out / "gla_isolate.json").write_text(json.dumps(rows, indent=1))
 
 

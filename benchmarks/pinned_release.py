@@ -11,13 +11,11 @@ import json
 
 import torch
 
+from salaquant.host_memory import process_memory
+
 
 def rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 2**20, 2)
-    return 0.0
+    return round((process_memory() or 0) / 2**30, 2)
 
 
 def main() -> None:

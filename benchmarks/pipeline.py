@@ -35,6 +35,7 @@ from rich.console import Console
 
 from salaquant.calibration import CalibOptions
 from salaquant.demo import checkpoint_bytes
+from salaquant.host_memory import process_memory
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import parameter_shapes
 from salaquant.model.tiny import preset_config, write_random_checkpoint
@@ -68,11 +69,7 @@ def _rss_gib() -> float:
 
 
 def _current_rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
+    return (process_memory() or 0) / 2**30
 
 
 class RssTimeline(logging.Handler):

@@ -22,6 +22,7 @@ __all__ = [
     "empty_pinned_cache",
     "meminfo",
     "plan_host_memory",
+    "process_memory",
 ]
 
 GIB = 2**30
@@ -89,6 +90,21 @@ def meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int] | None:
     if "MemAvailable" not in values or "MemTotal" not in values:
         return None
     return values["MemAvailable"], values["MemTotal"]
+
+
+def process_memory(field: str = "VmRSS", path: Path = Path("/proc/self/status")) -> int | None:
+    """One memory line of this process's status file in bytes (``VmRSS``, ``RssFile``, ``VmHWM``, ...), or ``None``
+    where the file or the line does not exist."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if name == field and parts and parts[0].isdigit():
+            return int(parts[0]) * 1024  # the file counts kB
+    return None
 
 
 def check_host_memory(

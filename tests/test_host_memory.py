@@ -40,6 +40,16 @@ def test_meminfo_parsing(tmp_path: Path) -> None:
     assert hm.meminfo(tmp_path / "missing") is None
 
 
+def test_process_memory_parsing(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1536 kB\nRssFile:\t 12 kB\nThreads:\t4\n")
+    assert hm.process_memory(path=status) == 1536 * 1024
+    assert hm.process_memory("RssFile", status) == 12 * 1024
+    assert hm.process_memory("VmHWM", status) == 2048 * 1024
+    assert hm.process_memory("VmSwap", status) is None  # no such line
+    assert hm.process_memory(path=tmp_path / "missing") is None
+
+
 def test_check_refuses_warns_or_passes() -> None:
     plan = hm.plan_host_memory([131_072], 4096, 2, sets=1, pinned=True, layer_bytes=GIB // 2)  # 1.5 GiB
     with pytest.raises(hm.HostMemoryError, match=r"about 1\.5 GiB.*has 1\.0 GiB of memory; use fewer"):
@@ -94,24 +104,18 @@ def test_empty_pinned_cache_falls_back_to_the_private_call(monkeypatch: pytest.M
     assert hm.empty_pinned_cache() is False
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_pinned_memory_returns_to_the_system_after_release(tiny_ckpt: Path, tmp_path: Path) -> None:
     """The engine's hidden states are pinned: after ``release()`` the process must not keep them resident."""
     ids = [torch.randint(0, 200, (1, 4096)) for _ in range(96)]
     engine = CalibrationEngine(tiny_ckpt, ids, tmp_path / "work", EngineOptions(device="cuda"))
-    before = _rss_bytes()
+    before = hm.process_memory()
+    assert before is not None
     engine.run(None)
     assert engine.final_hidden is not None
     held = sum(h.numel() * h.element_size() for h in engine.final_hidden)
     assert held >= 64 * 2**20
     engine.release()
     assert engine.final_hidden is None
-    assert _rss_bytes() - before < held / 2  # the pinned block went back, not into PyTorch's cache
+    after = hm.process_memory()
+    assert after is not None and after - before < held / 2  # the pinned block went back, not into PyTorch's cache

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from salaquant.host_memory import process_memory
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_model
@@ -267,11 +268,9 @@ def test_gpu_pinned_asynchronous_copies_equal_synchronous(tiny_ckpt: Path, tmp_p
 
 
 def _rss_file_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssFile line")
+    value = process_memory("RssFile")
+    assert value is not None, "no RssFile line"
+    return value
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")

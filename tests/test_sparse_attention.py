@@ -64,6 +64,9 @@ def test_params() -> None:
     assert p.local_blocks == 32 and p.total_topk == 96
     assert (p.kernel_size2, p.kernel_stride2) == (128, 64)
     assert TINY.local_blocks == 1 and TINY.total_topk == 5
+    # 96 selected >= 1 init + 32 local + own block; topk=1 leaves 33 < 34: a forced block can be dropped
+    assert p.keeps_forced_blocks and not SparseParams(topk=1).keeps_forced_blocks
+    assert SparseParams(topk=2).keeps_forced_blocks
     assert SparseParams.from_config({"topk": 8}).total_topk == 40
     with pytest.raises(ValueError):
         SparseParams(block_size=60, kernel_stride=16)

@@ -122,7 +122,7 @@ def infllm_v2_attention(
     ``kernel_select`` pools and selects with the Triton kernel (``True``) or the reference functions
     (``False``); ``None`` takes the kernel on the Triton path. ``local_dense`` attends the forced blocks (init
     and local window) with the sliding-window kernel, tiles of queries sharing their keys, when the selection
-    always holds them (``total_topk >= init_blocks + local_blocks + 1``) and there are at least
+    always holds them (``params.keeps_forced_blocks``) and there are at least
     ``LOCAL_DENSE_MIN_QUERIES`` queries; otherwise it is ignored.
     """
     tq, tk = q.shape[1], k.shape[1]
@@ -147,6 +147,5 @@ def infllm_v2_attention(
         scores = stage1_scores(q[:, c0:c1], k1, k2, start, params, backend=backend)
         idx[:, :, c0:c1] = pool_select(scores, start, tk, params, select_backend)
         del scores
-    forced_fit = params.total_topk >= params.init_blocks + params.local_blocks + 1
-    dense_local = local_dense and forced_fit and tq >= LOCAL_DENSE_MIN_QUERIES
+    dense_local = local_dense and params.keeps_forced_blocks and tq >= LOCAL_DENSE_MIN_QUERIES
     return block_sparse_attention(q, k, v, idx, q_start, params, backend=backend, local_dense=dense_local)

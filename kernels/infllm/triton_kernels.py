@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from salaquant.model.sparse_attention import SparseParams
+from salaquant.model.sparse_attention import SparseParams, forced_blocks
 
 from ..host import cdiv, next_power_of_2
 
@@ -828,11 +828,9 @@ def _without_forced(block_idx: Tensor, q_start: int, params: SparseParams) -> Te
     """``block_idx`` without each row's forced blocks, the rest first (descending), trimmed to the longest row;
     rows with nothing left keep one -1."""
     tq = block_idx.shape[2]
-    qb = (q_start + torch.arange(tq, device=block_idx.device)) // params.block_size
+    qb = ((q_start + torch.arange(tq, device=block_idx.device)) // params.block_size).view(1, 1, tq, 1)
     blk = block_idx.long()
-    qb = qb.view(1, 1, tq, 1)
-    forced = (blk < params.init_blocks) | ((blk >= qb - params.local_blocks) & (blk <= qb))
-    rest = torch.where(forced, -1, blk).sort(dim=-1, descending=True).values
+    rest = torch.where(forced_blocks(blk, qb, params), -1, blk).sort(dim=-1, descending=True).values
     keep = max(1, int((rest >= 0).sum(dim=-1).max())) if rest.numel() else 1
     return rest[..., :keep].to(torch.int32).contiguous()
 
@@ -863,7 +861,7 @@ def block_sparse_attention(
     (rounded up to a power of two, at least 16).
 
     ``local_dense`` attends each row's forced blocks (init blocks and local window, which every row of
-    ``select_blocks`` holds whenever ``total_topk >= init_blocks + local_blocks + 1``) with a sliding-window
+    ``select_blocks`` holds whenever ``params.keeps_forced_blocks``) with a sliding-window
     kernel over tiles of ``local_block_m`` queries, which read those keys once per tile instead of once per
     query, then the remaining selected blocks per row as usual. ``block_idx`` must then contain every forced
     block of its row, as the selection produces; the result is the same attention. Not with splits.

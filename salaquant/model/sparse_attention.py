@@ -31,6 +31,7 @@ __all__ = [
     "block_sparse_attention",
     "compress_keys",
     "extend_compressed",
+    "forced_blocks",
     "infllm_v2_attention",
     "num_compressed",
     "select_blocks",
@@ -73,6 +74,11 @@ class SparseParams:
     def total_topk(self) -> int:
         """Blocks selected per (query, KV head): ``topk + local_blocks``."""
         return self.topk + self.local_blocks
+
+    @property
+    def keeps_forced_blocks(self) -> bool:
+        """Whether every row's selection holds all its forced blocks (init blocks, local window and own block)."""
+        return self.total_topk >= self.init_blocks + self.local_blocks + 1
 
     @property
     def kernel_size2(self) -> int:
@@ -219,10 +225,13 @@ def block_scores(scores: Tensor, q_start: int, tk: int, params: SparseParams) ->
 
     blocks = torch.arange(n_blocks, device=scores.device)
     qb = _query_blocks(q_start, tq, params.block_size, scores.device)[:, None]  # [Tq, 1]
-    forced = (blocks[None, :] < params.init_blocks) | (
-        (blocks[None, :] >= qb - params.local_blocks) & (blocks[None, :] <= qb)
-    )
-    return pooled.masked_fill(forced, math.inf)
+    return pooled.masked_fill(forced_blocks(blocks[None, :], qb, params), math.inf)
+
+
+def forced_blocks(blocks: Tensor, qb: Tensor, params: SparseParams) -> Tensor:
+    """Which ``blocks`` a query in block ``qb`` always selects (broadcast): ``b < init_blocks`` or
+    ``qb - local_blocks <= b <= qb``."""
+    return (blocks < params.init_blocks) | ((blocks >= qb - params.local_blocks) & (blocks <= qb))
 
 
 def select_blocks(block_scores: Tensor, q_start: int, params: SparseParams) -> Tensor:
