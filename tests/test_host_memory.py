@@ -109,13 +109,14 @@ def test_gpu_pinned_memory_returns_to_the_system_after_release(tiny_ckpt: Path, 
     """The engine's hidden states are pinned: after ``release()`` the process must not keep them resident."""
     ids = [torch.randint(0, 200, (1, 4096)) for _ in range(96)]
     engine = CalibrationEngine(tiny_ckpt, ids, tmp_path / "work", EngineOptions(device="cuda"))
-    before = hm.process_memory()
-    assert before is not None
     engine.run(None)
     assert engine.final_hidden is not None
     held = sum(h.numel() * h.element_size() for h in engine.final_hidden)
     assert held >= 64 * 2**20
+    # measured around release() alone: CUDA's context and the libraries loaded by the run stay resident either way
+    during = hm.process_memory()
     engine.release()
     assert engine.final_hidden is None
     after = hm.process_memory()
-    assert after is not None and after - before < held / 2  # the pinned block went back, not into PyTorch's cache
+    assert during is not None and after is not None
+    assert during - after > held / 2  # the pinned block went back to the system, not into PyTorch's cache
