@@ -88,24 +88,31 @@ def gemm_rows(data: dict[str, Any] | None, kind: str) -> list[dict[str, Any]]:
 
 
 def gla_rows(data: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Chunked prefill at T=32768 (bf16 inputs; the default launch and the fastest option timed) and recurrent
-    decode at each B, against fla."""
+    """Chunked prefill at T=32768 against fla: bf16 inputs with a bf16 output (fla's own output dtype) and with
+    fp32 inputs (TF32 dots) with a bf16 output (the runtime's case: the model computes GLA in fp32), each
+    against fla on the same inputs; recurrent decode at each B."""
     if not data:
         return []
     rows = []
-    prefill = [r for r in data.get("rows", []) if r.get("kernel") == "chunk" and r.get("dtype") == "bfloat16"]
-    for t in sorted({r["T"] for r in prefill}):
-        at_t = [r for r in prefill if r["T"] == t and r.get("ours_ms")]
-        default = [r for r in at_t if r.get("state_every", 1) == 1 and r.get("out_dtype", "float32") == "float32"]
-        best = min(at_t, key=lambda r: r["ours_ms"], default=None)
-        for label, r in (("default", default[0] if default else None), ("fastest option", best)):
-            if r is None:
-                continue
-            opts = f"states every {r.get('state_every', 1)}, {r.get('out_dtype', 'float32')} out"
+    cases = (
+        ("bfloat16", "-", "bf16 in, bf16 out, as fla"),
+        ("float32", "tf32", "fp32 in (TF32), bf16 out, the runtime"),
+    )
+    for dtype, precision, label in cases:
+        picked = [
+            r
+            for r in data.get("rows", [])
+            if r.get("kernel") == "chunk"
+            and r.get("dtype") == dtype
+            and r.get("precision") == precision
+            and r.get("out_dtype") == "bfloat16"
+            and r.get("ours_ms")
+        ]
+        for r in sorted(picked, key=lambda r: r["T"]):
             ratio = r["fla_ms"] / r["ours_ms"] if r.get("fla_ms") else None
             rows.append(
                 _row(
-                    f"GLA chunk prefill T={t} bf16, {label} ({opts})",
+                    f"GLA chunk prefill T={r['T']}, {label}",
                     r["ours_ms"],
                     r.get("fla_ms"),
                     "fla chunk_simple_gla",

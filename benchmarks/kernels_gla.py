@@ -1,8 +1,8 @@
 """Simple GLA kernels against fla: chunked prefill and recurrent decode at SALA's shape (H=32, D=128).
 
 Prefill: B=1, T in {8192, 32768, 131072}, no initial state, final state out, bf16 and fp32 inputs
-(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed), each with the states stored once
-per ``--state-every`` chunks, and for bf16 also with a bf16 output as fla returns. Decode: T=1, B in {1, 8, 64},
+(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed), each with an fp32 and a bf16 output
+(fla returns the input dtype; the model takes bf16). Decode: T=1, B in {1, 8, 64},
 fp32 inputs and states, new state written or updated in place. fla (``chunk_simple_gla`` /
 ``fused_recurrent_simple_gla``) is timed when importable. ``speedup`` = fla time / our time.
 
@@ -49,16 +49,16 @@ def _timed(row: dict, key: str, fn: Callable[[], object]) -> None:
         row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
-def _prefill_bytes(q: torch.Tensor, every: int, out_bytes: int) -> int:
-    """Fewest bytes of our two kernels: k, v read by both, q by the output kernel, the stored states written
-    and read once (one per ``every`` chunks of 64), o written."""
+def _prefill_bytes(q: torch.Tensor, out_bytes: int) -> int:
+    """Fewest bytes of our two kernels: k, v read by both, q by the output kernel, the stored states (one per
+    chunk of 64) written and read once, o written."""
     b, t, h, d = q.shape
-    n_states = -(-t // (64 * every))
+    n_states = -(-t // 64)
     state_bytes = 2 if q.dtype == torch.bfloat16 else 4
     return 5 * q.numel() * q.element_size() + 2 * b * h * n_states * d * d * state_bytes + q.numel() * out_bytes
 
 
-def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -> list[dict]:
+def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
     rows = []
     g = -ref.alibi_slopes(H).cuda()
     for t in ts:
@@ -74,27 +74,26 @@ def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -
                     lambda q=q, k=k, v=v: fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
                 )
             ref_out = ref.chunk_gla(q, k, v, g, SCALE, None, True) if t <= REFERENCE_MAX_T else None
-            # fp32 output is what the model consumes; the input dtype is what fla returns (a like-for-like time)
-            out_dtypes = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
-            variants = [(p, e, od) for p in precisions for e in state_every for od in out_dtypes]
-            for precision, every, out_dtype in variants:
-                if dtype == torch.float32 and precision != "tf32" and every != 1:
+            # fp32 and bf16 outputs: fla returns the input dtype (a like-for-like time for bf16 inputs); the model
+            # computes in fp32 and takes a bf16 output (fp32 inputs, TF32 dots, bf16 out is the runtime's case)
+            variants = [(p, od) for p in precisions for od in (torch.float32, torch.bfloat16)]
+            for precision, out_dtype in variants:
+                if precision != "tf32" and out_dtype != torch.float32:
                     continue  # the slower precisions once each
-                print(f"prefill T={t} {dtype}: {precision} every={every} out={out_dtype}", file=sys.stderr, flush=True)
+                print(f"prefill T={t} {dtype}: {precision} out={out_dtype}", file=sys.stderr, flush=True)
                 row: dict = {
                     "kernel": "chunk",
                     "B": 1,
                     "T": t,
                     "dtype": str(dtype).removeprefix("torch."),
                     "precision": precision if dtype == torch.float32 else "-",
-                    "state_every": every,
                     "out_dtype": str(out_dtype).removeprefix("torch."),
                     "fla_ms": fla_ms,
                 }
 
-                def ours(q=q, k=k, v=v, precision=precision, every=every, out_dtype=out_dtype) -> object:
+                def ours(q=q, k=k, v=v, precision=precision, out_dtype=out_dtype) -> object:
                     return gla_kernels.chunk_fwd(
-                        q, k, v, g, SCALE, None, True, precision=precision, state_every=every, out_dtype=out_dtype
+                        q, k, v, g, SCALE, None, True, precision=precision, out_dtype=out_dtype
                     )
 
                 _timed(row, "ours_ms", ours)
@@ -109,9 +108,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None, state_every: list[int]) -
                 if fla_ms is not None and row["ours_ms"]:
                     row["speedup"] = fla_ms / row["ours_ms"]
                 out_bytes = torch.empty(0, dtype=out_dtype).element_size()
-                row["ours_tb_s"] = (
-                    _prefill_bytes(q, every, out_bytes) / row["ours_ms"] / 1e9 if row["ours_ms"] else None
-                )
+                row["ours_tb_s"] = _prefill_bytes(q, out_bytes) / row["ours_ms"] / 1e9 if row["ours_ms"] else None
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)  # a row that fails is seen even if the run dies
             del q, k, v, fla_out, ref_out
@@ -165,7 +162,7 @@ def _fmt(x: object, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| kernel | B | T | dtype | precision/mode | states every / out | ours ms | fla ms | speedup | ours TB/s "
+        "| kernel | B | T | dtype | precision/mode | out | ours ms | fla ms | speedup | ours TB/s "
         "| rel err o (fla / ref) |"
     )
     lines = [head, "|" + "---|" * 11]
@@ -173,7 +170,7 @@ def table(rows: list[dict]) -> str:
         err = f"{_fmt(r.get('rel_err_o_vs_fla'), '.1e')} / {_fmt(r.get('rel_err_o_vs_ref'), '.1e')}"
         lines.append(
             f"| {r['kernel']} | {r['B']} | {r['T']} | {r['dtype']} | {r.get('precision', r.get('mode'))} "
-            f"| {r.get('state_every', '-')} / {r.get('out_dtype', 'float32')} "
+            f"| {r.get('out_dtype', 'float32')} "
             f"| {_fmt(r['ours_ms'], '.4f')} | {_fmt(r['fla_ms'], '.4f')} | {_fmt(r.get('speedup'), '.2f')} "
             f"| {_fmt(r.get('ours_tb_s'), '.2f')} | {err} |"
         )
@@ -185,7 +182,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prefill-t", default="8192,32768,131072")
     ap.add_argument("--decode-b", default="1,8,64")
-    ap.add_argument("--state-every", default="1,2,4", help="chunks per stored state, each timed")
     ap.add_argument("--no-fla", action="store_true", help="time our kernels only, even where fla is importable")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -205,8 +201,7 @@ def main() -> None:
         import fla
 
         res["fla"] = getattr(fla, "__version__", "unknown")
-    every = [int(x) for x in args.state_every.split(",") if x]
-    rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk, every)
+    rows = prefill([int(x) for x in args.prefill_t.split(",") if x], fla_chunk)
     rows += decode([int(x) for x in args.decode_b.split(",") if x], fla_rec)
     res["rows"] = rows
     # the autotuner's choice per key (K, V, precision, dtypes): what a pinned default would have to match

@@ -1,7 +1,8 @@
 """Simple GLA (Lightning attention) with Triton kernels and the PyTorch reference as fallback.
 
 Same math and layout as ``salaquant.model.gla``: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, state
-``[B, H, K, V]`` fp32, ``g_gamma: [H]`` log decay ``<= 0``; outputs and final states are fp32.
+``[B, H, K, V]`` fp32, ``g_gamma: [H]`` log decay ``<= 0``; outputs are fp32 unless the chunked form is asked
+for another dtype (``out_dtype``); final states are fp32.
 
 ``backend``: ``"auto"`` runs Triton for CUDA tensors and the reference otherwise, ``"triton"`` always runs
 Triton (on CPU only under ``TRITON_INTERPRET=1``), ``"reference"`` always runs ``salaquant.model.gla``.
@@ -13,6 +14,7 @@ the default), ``"tf32x3"`` or ``"ieee"``. The recurrent kernel does its math in 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ...model import gla as _ref
@@ -44,13 +46,18 @@ def chunk_gla(
     backend: str = "auto",
     *,
     precision: str = "tf32",
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked (prefill) form, chunk 64. Returns ``o`` and the final state (``None`` unless asked)."""
+    """Chunked (prefill) form, chunk 64. Returns ``o`` (computed in fp32, stored as ``out_dtype``) and the
+    final state (``None`` unless asked)."""
     if _use_triton(backend, q):
         from .triton_kernels import chunk_fwd
 
-        return chunk_fwd(q, k, v, g_gamma, scale, initial_state, output_final_state, precision=precision)
-    return _ref.chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+        return chunk_fwd(
+            q, k, v, g_gamma, scale, initial_state, output_final_state, precision=precision, out_dtype=out_dtype
+        )
+    o, final = _ref.chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    return o.to(out_dtype), final
 
 
 def recurrent_gla(
@@ -94,8 +101,12 @@ def simple_gla(
     backend: str = "auto",
     *,
     precision: str = "tf32",
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
-    """Dispatch as SALA does: recurrent for ``T < 64``, chunked otherwise."""
+    """Dispatch as SALA does: recurrent for ``T < 64``, chunked otherwise. ``out_dtype`` is the dtype of the
+    chunked form's output, stored by the kernel (the recurrent form's output stays fp32: a few tokens)."""
     if q.shape[1] < RECURRENT_MAX_LEN:
         return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state, backend)
-    return chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state, backend, precision=precision)
+    return chunk_gla(
+        q, k, v, g_gamma, scale, initial_state, output_final_state, backend, precision=precision, out_dtype=out_dtype
+    )

@@ -4,16 +4,14 @@ Layout as in ``salaquant.model.gla``: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`
 other strides free), state ``[B, H, K, V]`` fp32, ``g_gamma: [H]`` log decay ``<= 0``. Outputs are fp32
 unless ``chunk_fwd`` is asked for another dtype.
 
-Prefill runs two kernels over chunks of 64 tokens, grouped into segments of ``SUB`` chunks:
+Prefill runs two kernels over chunks of 64 tokens:
 
 * ``_chunk_state_kernel``, grid ``(K tiles, V tiles, B*H)``: walks the chunks in order with an fp32
   state tile, ``h_next = exp(g L) h + sum_j exp(g (L-1-j)) k_j v_j^T``, and stores the state at the start
-  of every segment into ``[B, H, NS, K, V]`` (bf16 for bf16 inputs, fp32 otherwise).
-* ``_chunk_output_kernel``, grid ``(V tiles, segments, B*H)``: for each chunk of its segment,
-  ``o_i = scale * (exp(g (i+1)) q_i^T h_c + sum_{j<=i} exp(g (i-j)) (q_i . k_j) v_j)``, where ``h_c`` is the
-  stored state for the segment's first chunk and, for the next ones, the same recurrence applied in registers
-  to the chunk just done (its k and v are already loaded). ``SUB > 1`` divides the stored states, the
-  largest memory stream after q, k and v, by ``SUB``; it needs the whole K in one tile.
+  of every chunk into ``[B, H, NC, K, V]`` (bf16 for bf16 inputs, fp32 otherwise).
+* ``_chunk_output_kernel``, grid ``(V tiles, chunks, B*H)``:
+  ``o_i = scale * (exp(g (i+1)) q_i^T h_c + sum_{j<=i} exp(g (i-j)) (q_i . k_j) v_j)`` with ``h_c`` the
+  stored state at the start of the chunk.
 
 Decode runs ``_recurrent_kernel``, grid ``(V tiles, B*H)``: one program holds a ``[K, BV]`` fp32 state
 tile (the whole K, so no split-K reduction) and steps through the T tokens:
@@ -88,12 +86,11 @@ _INTERPRET_CONFIG: Config = (32, 32, 4, 1)
 """The one configuration under the interpreter, where autotuning would run every candidate on the CPU."""
 
 
-def _fit(config: Config, dk: int, dv: int, whole_k: bool = False) -> Config:
-    """Clamp the tiles to K and V rounded up to a power of two (at least 16, the smallest ``tl.dot`` side);
-    ``whole_k`` widens the K tile to all of K (the output kernel with ``SUB > 1``)."""
+def _fit(config: Config, dk: int, dv: int) -> Config:
+    """Clamp the tiles to K and V rounded up to a power of two (at least 16, the smallest ``tl.dot`` side)."""
     bk, bv, warps, stages = config
     full_k, full_v = max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
-    return full_k if whole_k else min(bk, full_k), min(bv, full_v), warps, stages
+    return min(bk, full_k), min(bv, full_v), warps, stages
 
 
 def _triton_configs(options: tuple[Config, ...]) -> list[triton.Config]:
@@ -102,36 +99,26 @@ def _triton_configs(options: tuple[Config, ...]) -> list[triton.Config]:
     return [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s) for bk, bv, w, s in options]
 
 
-def _prune(configs: list[triton.Config], dims: dict, whole_k: bool) -> list[triton.Config]:
-    """Clamp every candidate's tiles to the head dims and drop the duplicates this makes.
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """``early_config_prune`` of both prefill kernels: clamp every candidate's tiles to the head dims and drop
+    the duplicates this makes.
 
     A tile wider than K or V would only add masked lanes, and several such candidates collapse into one.
     """
+    dims = {**named_args, **kwargs}
     dk, dv = int(dims["K"]), int(dims["V"])
     seen: dict[Config, triton.Config] = {}
     for c in configs:
-        fitted = _fit((c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages), dk, dv, whole_k)
+        fitted = _fit((c.kwargs["BK"], c.kwargs["BV"], c.num_warps, c.num_stages), dk, dv)
         if fitted not in seen:
             bk, bv, warps, stages = fitted
             seen[fitted] = triton.Config({"BK": bk, "BV": bv}, num_warps=warps, num_stages=stages)
     return list(seen.values())
 
 
-def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of the state kernel: tiles clamped to the head dims."""
-    return _prune(configs, {**named_args, **kwargs}, whole_k=False)
-
-
-def _prune_output_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """``early_config_prune`` of the output kernel: as the state kernel's, with the whole K per tile when
-    ``SUB > 1`` (the state it carries from chunk to chunk spans all of K)."""
-    dims = {**named_args, **kwargs}
-    return _prune(configs, dims, whole_k=int(dims.get("SUB", 1)) > 1)
-
-
 @triton.autotune(
     configs=_triton_configs(STATE_CONFIGS),
-    key=["K", "V", "PREC", "SUB"],
+    key=["K", "V", "PREC"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -144,7 +131,7 @@ def _chunk_state_kernel(
     ht_ptr,
     T,
     H,
-    NS,
+    NC,
     s_kb,
     s_kt,
     s_kh,
@@ -159,7 +146,6 @@ def _chunk_state_kernel(
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     PREC: tl.constexpr,
-    SUB: tl.constexpr,
 ):
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -183,24 +169,23 @@ def _chunk_state_kernel(
 
     k_base = k_ptr + i_b * s_kb + i_h * s_kh
     v_base = v_ptr + i_b * s_vb + i_h * s_vh
-    # h holds B*H*NS*K*V elements: its offset is int64 and advances by pointer increments, never i_s * K * V
-    p_h = h_ptr + i_bh * NS * K * V + off_kv
-    for i_s in range(NS):
+    # h holds B*H*NC*K*V elements: its offset is int64 and advances by pointer increments, never i_c * K * V
+    p_h = h_ptr + i_bh * NC * K * V + off_kv
+    for i_c in range(NC):
         tl.store(p_h, state.to(h_ptr.dtype.element_ty), mask=m_kv)
         p_h += K * V
-        for j in tl.static_range(SUB):
-            t0 = (i_s * SUB + j) * BT
-            rows = (t0 + pos).to(tl.int64)
-            m_t = rows < T
-            # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
-            b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-            # tokens of this chunk: BT, fewer in the last one, none past the end (the state then stays as is)
-            length = tl.maximum(tl.minimum(T - t0, BT), 0).to(tl.float32)
-            # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
-            k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
-            b_kt = (b_kt.to(tl.float32) * k_decay[None, :]).to(b_kt.dtype)
-            state = state * tl.exp(g * length) + tl.dot(b_kt, b_v, input_precision=PREC)
+        t0 = i_c * BT
+        rows = (t0 + pos).to(tl.int64)
+        m_t = rows < T
+        # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
+        b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        # tokens of this chunk: BT, fewer in the last one
+        length = tl.minimum(T - t0, BT).to(tl.float32)
+        # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
+        k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
+        b_kt = (b_kt.to(tl.float32) * k_decay[None, :]).to(b_kt.dtype)
+        state = state * tl.exp(g * length) + tl.dot(b_kt, b_v, input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
@@ -208,8 +193,8 @@ def _chunk_state_kernel(
 
 @triton.autotune(
     configs=_triton_configs(OUTPUT_CONFIGS),
-    key=["K", "V", "PREC", "SUB"],
-    prune_configs_by={"early_config_prune": _prune_output_configs},
+    key=["K", "V", "PREC"],
+    prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
 def _chunk_output_kernel(
@@ -222,7 +207,7 @@ def _chunk_output_kernel(
     scale,
     T,
     H,
-    NS,
+    NC,
     s_qb,
     s_qt,
     s_qh,
@@ -238,10 +223,9 @@ def _chunk_output_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     PREC: tl.constexpr,
-    SUB: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_s = tl.program_id(1)
+    i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -254,7 +238,7 @@ def _chunk_output_kernel(
     q_base = q_ptr + i_b * s_qb + i_h * s_qh
     k_base = k_ptr + i_b * s_kb + i_h * s_kh
     v_base = v_ptr + i_b * s_vb + i_h * s_vh
-    h_base = h_ptr + (i_bh * NS + i_s) * K * V
+    h_base = h_ptr + (i_bh * NC + i_c) * K * V
 
     # exp(g (i + 1)) on the carried state; exp(g (i - j)) for j <= i inside the chunk
     q_decay = tl.exp(g * (pos + 1).to(tl.float32))
@@ -262,49 +246,23 @@ def _chunk_output_kernel(
     causal = diff >= 0
     intra_decay = tl.where(causal, tl.exp(g * tl.where(causal, diff, 0).to(tl.float32)), 0.0)
 
-    if SUB == 1:
-        rows = i_s.to(tl.int64) * BT + pos
-        m_t = rows < T
-        b_inter = tl.zeros([BT, BV], dtype=tl.float32)
-        b_attn = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
-            b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
-            b_attn += tl.dot(b_q, b_kt, input_precision=PREC)
-        b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_o = b_inter * q_decay[:, None] + tl.dot((b_attn * intra_decay).to(b_v.dtype), b_v, input_precision=PREC)
-        o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
-        tl.store(o_ptrs, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    else:
-        # the whole K in one tile (BK >= K): the state is carried in registers from chunk to chunk
-        tl.static_assert(BK >= K, "SUB > 1 needs the whole K in one tile")
-        o_k = tl.arange(0, BK)
+    rows = i_c.to(tl.int64) * BT + pos
+    m_t = rows < T
+    b_inter = tl.zeros([BT, BV], dtype=tl.float32)
+    b_attn = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
+        b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
+        b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        state = b_h.to(tl.float32)
-        for j in tl.static_range(SUB):
-            t0 = (i_s * SUB + j).to(tl.int64) * BT
-            rows = t0 + pos
-            m_t = rows < T
-            b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
-            b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-            b_inter = tl.dot(b_q.to(b_h.dtype), state.to(b_h.dtype), input_precision=PREC)
-            b_attn = tl.dot(b_q, b_kt, input_precision=PREC) * intra_decay
-            b_o = b_inter * q_decay[:, None] + tl.dot(b_attn.to(b_v.dtype), b_v, input_precision=PREC)
-            o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
-            tl.store(o_ptrs, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-            if j < SUB - 1:
-                # the state kernel's step: h = exp(g L) h + sum_j exp(g (L-1-j)) k_j v_j^T over this chunk
-                length = tl.maximum(tl.minimum(T - t0, BT), 0).to(tl.float32)
-                k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
-                b_kd = (b_kt.to(tl.float32) * k_decay[None, :]).to(b_kt.dtype)
-                state = state * tl.exp(g * length) + tl.dot(b_kd, b_v, input_precision=PREC)
+        b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
+        b_attn += tl.dot(b_q, b_kt, input_precision=PREC)
+    b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_o = b_inter * q_decay[:, None] + tl.dot((b_attn * intra_decay).to(b_v.dtype), b_v, input_precision=PREC)
+    o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
+    tl.store(o_ptrs, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -403,13 +361,11 @@ def _tuned(device: torch.device, dk: int, dv: int, precision: str, dtype: torch.
     return TUNED_CONFIGS.get((major, dk, dv, precision, dtype))
 
 
-def _pinned(
-    kernel: triton.runtime.Autotuner, config: Config | None, dk: int, dv: int, whole_k: bool = False
-) -> tuple[object, dict]:
+def _pinned(kernel: triton.runtime.Autotuner, config: Config | None, dk: int, dv: int) -> tuple[object, dict]:
     """The autotuned kernel, or its plain jit function with the launch meta-parameters of ``config``."""
     if config is None:
         return kernel, {}
-    bk, bv, warps, stages = _fit(config, dk, dv, whole_k)
+    bk, bv, warps, stages = _fit(config, dk, dv)
     return kernel.fn, {"BK": bk, "BV": bv, "num_warps": warps, "num_stages": stages}
 
 
@@ -424,7 +380,6 @@ def chunk_fwd(
     precision: str = "tf32",
     *,
     configs: tuple[Config, Config] | None = None,
-    state_every: int = 1,
     out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked prefill (chunk 64). Returns ``o [B, T, H, V]`` (fp32 unless ``out_dtype``) and the fp32 final
@@ -435,12 +390,8 @@ def chunk_fwd(
     kernels to one ``(BK, BV, num_warps, num_stages)`` each (tiles clamped to K and V) instead of autotuning
     them, so that each configuration of ``STATE_CONFIGS`` / ``OUTPUT_CONFIGS`` can be run on its own; left
     ``None``, a case listed in ``TUNED_CONFIGS`` uses its entry and any other case is autotuned.
-    ``state_every`` stores the state once per that many chunks (``SUB``; the output kernel carries it through
-    the chunks in between), which divides the stored states' memory traffic by it.
     """
     _check_precision(precision)
-    if state_every < 1:
-        raise ValueError(f"state_every must be >= 1, got {state_every}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
@@ -456,10 +407,9 @@ def chunk_fwd(
         configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG)  # fitted below (the autotuner prunes only a choice)
     if configs is None:
         configs = _tuned(q.device, dk, dv, precision, q.dtype)
-    sub = min(state_every, cdiv(t, CHUNK))
-    ns = cdiv(t, CHUNK * sub)
+    nc = cdiv(t, CHUNK)
     h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    states = torch.empty(b, h, ns, dk, dv, dtype=h_dtype, device=q.device)
+    states = torch.empty(b, h, nc, dk, dv, dtype=h_dtype, device=q.device)
     ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
 
     def state_grid(meta: dict) -> tuple[int, int, int]:
@@ -475,7 +425,7 @@ def chunk_fwd(
         ht if ht is not None else states,
         t,
         h,
-        ns,
+        nc,
         k.stride(0),
         k.stride(1),
         k.stride(2),
@@ -488,14 +438,13 @@ def chunk_fwd(
         USE_H0=h0 is not None,
         STORE_HT=ht is not None,
         PREC=precision,
-        SUB=sub,
         **state_meta,
     )
 
     def output_grid(meta: dict) -> tuple[int, int, int]:
-        return (cdiv(dv, meta["BV"]), ns, b * h)
+        return (cdiv(dv, meta["BV"]), nc, b * h)
 
-    output_kernel, output_meta = _pinned(_chunk_output_kernel, configs[1] if configs else None, dk, dv, sub > 1)
+    output_kernel, output_meta = _pinned(_chunk_output_kernel, configs[1] if configs else None, dk, dv)
     output_kernel[output_grid](
         q,
         k,
@@ -506,7 +455,7 @@ def chunk_fwd(
         float(scale),
         t,
         h,
-        ns,
+        nc,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -520,7 +469,6 @@ def chunk_fwd(
         V=dv,
         BT=CHUNK,
         PREC=precision,
-        SUB=sub,
         **output_meta,
     )
     return o, ht

@@ -175,6 +175,7 @@ class LightningAttention(nn.Module):
             self.scale,
             initial_state=state,
             output_final_state=cache is not None,
+            out_dtype=x.dtype,
         )
         if cache is not None:
             cache.state = final

@@ -190,8 +190,12 @@ def simple_gla(
     scale: float,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    *,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
-    """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise."""
+    """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise. The chunked form's
+    output is cast to ``out_dtype`` (the kernels store it in that dtype directly)."""
     if q.shape[1] < RECURRENT_MAX_LEN:
         return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
-    return chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    o, final = chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    return o.to(out_dtype), final
