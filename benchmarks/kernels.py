@@ -145,7 +145,7 @@ def infllm_rows(data: dict[str, Any] | None) -> list[dict[str, Any]]:
     t = data.get("shape", {}).get("seq")
     forms = (
         ("prefill_sparse_ms", ""),
-        ("prefill_sparse_local_dense_ms", ", forced blocks by the sliding-window kernel"),
+        ("prefill_sparse_gathered_ms", ", forced blocks gathered per query (local_dense=False)"),
         ("prefill_sparse_reference_select_ms", ", pooling + top-k in PyTorch"),
     )
     rows = []

@@ -216,7 +216,7 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel
 
 @needs_triton
 def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``infllm_v2_attention(local_dense=True)`` over a prefill long enough to take the sliding-window kernel."""
+    """A prefill long enough takes the sliding-window kernel by default, and ``local_dense=False`` does not."""
     tq = tk = infllm.LOCAL_DENSE_MIN_QUERIES + 40
     q, k, v = _qkv(1, tq, tk, 2, 2, 16, torch.float32)
     kernel, launches = _kernels()._local_attention_kernel, []
@@ -227,11 +227,15 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
             return kernel[grid]
 
     monkeypatch.setattr(_kernels(), "_local_attention_kernel", Spy())
-    got = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton", local_dense=True)
+    got = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton")
     assert len(launches) == 1  # the sliding-window kernel ran
     k1, k2 = _compressed(k, SMALL)
     idx = _select(infllm.stage1_scores(q, k1, k2, 0, SMALL, backend="triton"), 0, tk, SMALL)
-    torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, 0, SMALL), **_tol(q.dtype))
+    expected = ref.block_sparse_attention(q, k, v, idx, 0, SMALL)
+    torch.testing.assert_close(got, expected, **_tol(q.dtype))
+    gathered = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton", local_dense=False)
+    assert len(launches) == 1
+    torch.testing.assert_close(gathered, expected, **_tol(q.dtype))
 
 
 @needs_triton
@@ -249,8 +253,7 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
         ),
     ],
 )
-@pytest.mark.parametrize("radix_bits", [1, 4])
-def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix_bits: int) -> None:
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
     them by lower block index)."""
     gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
@@ -262,28 +265,21 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, r
     q_start = tk - tq
     want = _select(scores, q_start, tk, params)
     out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
-    got = _kernels().pool_select(scores, q_start, tk, params, out=out, radix_bits=radix_bits)
+    got = _kernels().pool_select(scores, q_start, tk, params, out=out)
     assert got is out
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
-@pytest.mark.parametrize("radix_bits", [1, 2, 8])
 @pytest.mark.parametrize("value", [0.0, 0.5])
-def test_pool_select_all_scores_equal(value: float, radix_bits: int) -> None:
+def test_pool_select_all_scores_equal(value: float) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
     tq, tk = 40, 2000
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.full((1, 2, tq, n1), value, device=DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params, radix_bits=radix_bits)
+    got = _kernels().pool_select(scores, tk - tq, tk, params)
     assert torch.equal(got.long().cpu(), want.cpu())
-
-
-def test_pool_select_radix_bits_checked() -> None:
-    scores = torch.zeros(1, 1, 1, 10, device=DEV)
-    with pytest.raises(ValueError, match="radix_bits"):
-        _kernels().pool_select(scores, 0, 48, SMALL, radix_bits=3)
 
 
 def test_dispatch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,8 +390,7 @@ def test_gpu_sala_pipeline(sala_inputs: dict[str, torch.Tensor]) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("radix_bits", [1, 4])
-def test_gpu_sala_pool_select_at_128k(radix_bits: int) -> None:
+def test_gpu_sala_pool_select_at_128k() -> None:
     """Decode-sized pooling + top-k over the 2,048 blocks of a 131,072-token context, exact against the reference."""
     t, tq = 131072, 4
     n1 = ref.num_compressed(t, SALA.kernel_size, SALA.kernel_stride)
@@ -404,4 +399,4 @@ def test_gpu_sala_pool_select_at_128k(radix_bits: int) -> None:
     scores[..., ::5] = (scores[..., ::5] * 8).round() / 8
     scores = scores.cuda()
     want = _select(scores, t - tq, t, SALA)
-    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA, radix_bits=radix_bits).long(), want)
+    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA).long(), want)

@@ -113,17 +113,18 @@ def infllm_v2_attention(
     *,
     select_chunk: int = SELECT_CHUNK,
     kernel_select: bool | None = None,
-    local_dense: bool = False,
+    local_dense: bool = True,
 ) -> Tensor:
     """Full InfLLM-v2 pipeline; queries are the last ``Tq`` of the ``Tk`` keys.
 
     ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). Scoring,
     pooling and selection run ``select_chunk`` queries at a time; stage 2 runs once over all queries.
     ``kernel_select`` pools and selects with the Triton kernel (``True``) or the reference functions
-    (``False``); ``None`` takes the kernel on the Triton path. ``local_dense`` attends the forced blocks (init
-    and local window) with the sliding-window kernel, tiles of queries sharing their keys, when the selection
-    always holds them (``params.keeps_forced_blocks``) and there are at least
-    ``LOCAL_DENSE_MIN_QUERIES`` queries; otherwise it is ignored.
+    (``False``); ``None`` takes the kernel on the Triton path. ``local_dense`` (the default) attends the forced
+    blocks (init and local window) with the sliding-window kernel, tiles of queries sharing their keys, when
+    the selection always holds them (``params.keeps_forced_blocks``) and there are at least
+    ``LOCAL_DENSE_MIN_QUERIES`` queries; otherwise, and with ``False``, stage 2 gathers them per query like
+    the other selected blocks (120 against 137 ms at 128K on an H200).
     """
     tq, tk = q.shape[1], k.shape[1]
     if tq > tk:

@@ -598,16 +598,13 @@ def _pool_select_kernel(
     INIT_BLOCKS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
     Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
-    the ``k``-th largest image; the blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order
-    until there are ``k`` (equal scores: lower block first). No sort. ``RADIX_BITS = 1``: 32 halvings, each one
-    count over the row; ``RADIX_BITS = b > 1``: ``32 / b`` steps, each fixing ``b`` bits of ``v`` from
-    ``2^b`` counts made together (fewer dependent steps, more comparisons: for rows that are few, as in
-    decode). The chosen blocks are written in ascending order (future ones as -1).
+    the ``k``-th largest image, in 32 halvings of one count over the row each; the blocks above ``v`` are chosen,
+    then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores: lower block first). No sort.
+    The chosen blocks are written in ascending order (future ones as -1).
     """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -629,27 +626,13 @@ def _pool_select_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # float order as signed integers
     ordered = tl.where(in_range, ordered, -4294967296)  # below every int32 image: never counted
     # largest v with count(ordered >= v) >= k; the count at v = INT32_MIN is n_blocks >= k
-    if RADIX_BITS == 1:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((ordered >= mid).to(tl.int32), 0) >= k_sel
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-    else:
-        # u = image + 2^31 in [0, 2^32). Invariants at each step's shift s: count(u >= v) >= k and
-        # count(u >= v + 2^(s + RADIX_BITS)) < k, so of the candidates v + j 2^s (j = 1 .. 2^RADIX_BITS, counts
-        # falling with j) the last one that keeps k blocks gives the next v; at s = 0, v is the k-th largest u.
-        tl.static_assert(32 % RADIX_BITS == 0, "RADIX_BITS must divide 32")
-        u = ordered + 2147483648  # the excluded blocks stay negative: never counted
-        v = tl.full([], 0, tl.int64)
-        digits = (tl.arange(0, 1 << RADIX_BITS) + 1).to(tl.int64)
-        for step in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (step + 1)
-            counts = tl.sum((u[None, :] >= (v + (digits << shift))[:, None]).to(tl.int32), 1)
-            v += tl.sum((counts >= k_sel).to(tl.int64), 0) << shift
-        lo = v - 2147483648
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((ordered >= mid).to(tl.int32), 0) >= k_sel
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
     above = ordered > lo
     tied = ordered == lo
     need = k_sel - tl.sum(above.to(tl.int32), 0)
@@ -667,17 +650,13 @@ def pool_select(
     *,
     out: Tensor | None = None,
     num_warps: int = 4,
-    radix_bits: int = 1,
 ) -> Tensor:
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
-    one program per (query, batch * KV head); a row costs 32 counts over ``next_power_of_2(n_blocks)`` pooled
-    scores in 32 dependent steps (``radix_bits=1``), or ``32 / radix_bits`` steps of ``2^radix_bits`` counts
-    each (``radix_bits`` 2, 4 or 8). ``out`` (int32, that shape, contiguous) receives the result when given.
+    one program per (query, batch * KV head); a row costs 32 dependent counts over ``next_power_of_2(n_blocks)``
+    pooled scores. ``out`` (int32, that shape, contiguous) receives the result when given.
     """
-    if radix_bits not in (1, 2, 4, 8):
-        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits}")
     b, hkv, tq, n1 = scores.shape
     n_blocks = cdiv(tk, params.block_size)
     k_sel = min(params.total_topk, n_blocks)
@@ -707,7 +686,6 @@ def pool_select(
         INIT_BLOCKS=params.init_blocks,
         LOCAL_BLOCKS=params.local_blocks,
         BLOCK_NB=_pow2(n_blocks),
-        RADIX_BITS=radix_bits,
         num_warps=num_warps,
     )
     return idx
