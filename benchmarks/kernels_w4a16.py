@@ -108,14 +108,6 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["flat"] = _time_us(
             lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep
         )
-    if m <= 16:  # the transposed flat kernel (weights on the MMA's M side), two tile widths
-        for bn in (128, 256):
-            alt[f"swap{bn}"] = _time_us(
-                lambda i, bn=bn: tk.matmul_flat(
-                    x, qweight[i], scales[i], 4, GROUP, block_n=bn, tiles=2, num_warps=bn // 32, swap=True
-                ),
-                rep,
-            )
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
 

@@ -1,13 +1,12 @@
 """Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
 
 Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
-word expansion for M = 1 and 16, and the transposed ``swap`` kernel with its 16-bit magic-number weights) is
-checked against the dequantize-then-matmul result and timed in a CUDA graph over 4 rotated weight copies, beside
-cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
+word expansion for M = 1 and 16) is checked against the dequantize-then-matmul result and timed in a CUDA graph
+over 4 rotated weight copies, beside cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
 configuration table in ``triton_kernels`` is chosen from.
 
-  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds swap]
+  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds flat]
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand", "swap")
+CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -48,9 +47,9 @@ def eager_us(fn: Callable[[int], object]) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=50, return_mode="median") * 1e3
 
 
-def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "swap")) -> list[dict]:
-    """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1), ``flat`` (``tl.dot`` on
-    the activation side) and ``swap`` (the transposed kernel)."""
+def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat")) -> list[dict]:
+    """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1) and ``flat`` (``tl.dot`` on
+    the activation side)."""
     out = []
     if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
@@ -58,9 +57,6 @@ def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "swap")) -> lis
     for bn, bk, t, ex in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True)):
         if "flat" in kinds:
             out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
-    for bn, t, w in itertools.product((64, 128, 256), (1, 2, 4), (4, 8)):  # the transposed kernel
-        if "swap" in kinds:
-            out.append(dict(block_n=bn, block_k=128, tiles=t, num_warps=w, cuda_cores=False, swap=True))
     return out
 
 
@@ -106,7 +102,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["gemv", "flat", "swap"], choices=["gemv", "flat", "swap"])
+    ap.add_argument("--kinds", nargs="+", default=["gemv", "flat"], choices=["gemv", "flat"])
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []

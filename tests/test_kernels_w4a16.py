@@ -196,11 +196,6 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
-    else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
-        for bn, warps in ((64, 4), (128, 4), (256, 8)):
-            paths[f"swap-{bn}"] = lambda out, bn=bn, warps=warps: tk.matmul_flat(
-                x, qweight, scales, out=out, block_n=bn, tiles=2, num_warps=warps, swap=True
-            )
     for name, run in paths.items():
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = run(out).float()
@@ -247,43 +242,6 @@ def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_si
         what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles}"
         what += f" cc={cuda_cores} ex={expand}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
-
-
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("group_size", [-1, 64, 128])
-def test_swap_matches_reference(m: int, group_size: int) -> None:
-    """The transposed flat kernel (weights on the MMA's M side, built from 16-bit magic numbers)."""
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    # K = 416 leaves a partial last tile of 64 and a last split with fewer tiles; N = 80 a partial column tile
-    for k, n, block_n, block_k, tiles in [(416, 80, 32, 64, 2), (256, 64, 64, 128, 1), (512, 96, 32, 64, 3)]:
-        if group_size > 0 and (k % group_size or group_size % block_k):
-            continue
-        seed = _seed()
-        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
-        out = _poisoned(m, n, torch.float16)
-        y = tk.matmul_flat(
-            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, tiles=tiles, swap=True
-        )
-        assert y is out
-        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
-        w = dequantize(qweight, scales, 4, group_size)
-        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bn={block_n} bk={block_k} tiles={tiles} swap"
-        _assert_close(y, ref, x, w, TOL[torch.float16], what)
-
-
-def test_swap_refuses_what_it_cannot_run() -> None:
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    x, qweight, scales = _operands(0, 4, 256, 64, 4, 32, torch.float16)
-    with pytest.raises(ValueError, match="groups of a multiple of block_k"):
-        tk.matmul_flat(x, qweight, scales, 4, 32, block_k=64, swap=True)  # groups smaller than a K tile
-    x8, qweight8, scales8 = _operands(0, 4, 256, 64, 8, 128, torch.float16)
-    with pytest.raises(ValueError, match="4-bit codes"):
-        tk.matmul_flat(x8, qweight8, scales8, 8, 128, swap=True)
-    x, qweight, scales = _operands(0, 4, 256, 64, 4, 128, torch.float16)
-    with pytest.raises(ValueError, match="power-of-two tiles"):
-        tk.matmul_flat(x, qweight, scales, 4, 128, block_n=48, swap=True)
 
 
 def test_flat_8bit_and_bad_arguments() -> None:

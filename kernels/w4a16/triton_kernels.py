@@ -10,9 +10,7 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
 * ``2 <= M <= 16``, ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short,
   fully unrolled run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in
   natural K order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core
-  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes, and a transposed
-  form (``swap=True``, ``_swap_kernel``): ``Y^T = W x^T`` with the weight tile, built from 16-bit magic numbers,
-  on the MMA's M side.
+  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
 * ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
   order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
 * ``M >= DEQUANT_MIN_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
@@ -444,84 +442,6 @@ def _flat_kernel(
 
 
 @triton.jit
-def _nibble_pair(w, J: tl.constexpr, FP16: tl.constexpr):
-    """Codes ``J`` and ``J + 4`` of int32 words ``w`` (eight 4-bit codes each) as ``code - 8`` in fp16 or bf16,
-    joined along a new last axis. Both codes are masked into the mantissas of a pair of 16-bit magic numbers
-    (1024 in fp16, 128 in bf16) with one shift and one logic op per word; one 16-bit subtraction each removes the
-    magic number and the zero point. Exact, and no int-to-float conversion."""
-    bits = ((w.to(tl.uint32, bitcast=True) >> (4 * J)) & 0x000F000F) | (0x64006400 if FP16 else 0x43004300)
-    lo = bits.to(tl.uint16)
-    hi = (bits >> 16).to(tl.uint16)
-    if FP16:
-        return tl.join(lo.to(tl.float16, bitcast=True) - 1032.0, hi.to(tl.float16, bitcast=True) - 1032.0)
-    else:
-        return tl.join(lo.to(tl.bfloat16, bitcast=True) - 136.0, hi.to(tl.bfloat16, bitcast=True) - 136.0)
-
-
-@triton.jit
-def _swap_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    y_ptr,
-    part_ptr,
-    cnt_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_ym,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TILES: tl.constexpr,
-):
-    """``matmul_flat(swap=True)``: the flat split-K scheme with the product transposed, ``Y^T = W x^T``, so that
-    the weight tile is the MMA's M side (a warpgroup MMA on sm_90 takes it from registers) and the 16 activation
-    rows its N side. The ``[BLOCK_N, BLOCK_K]`` weight tile is built from each word's codes in natural K order
-    (``_nibble_pair``); 4-bit codes, groups of a multiple of ``BLOCK_K`` or one group."""
-    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
-    ROWS: tl.constexpr = BLOCK_K // 8
-    FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, 16)
-    mask_m = offs_m < M
-    offs_r = tl.arange(0, ROWS)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_first = tl.program_id(1) * (TILES * BLOCK_K)
-    acc = tl.zeros((BLOCK_N, 16), tl.float32)
-    for i in tl.static_range(TILES):
-        k0 = k_first + i * BLOCK_K
-        rows = k0 // 8 + offs_r
-        words = tl.load(
-            w_ptr + rows[:, None] * N + offs_n[None, :],
-            mask=(rows < K // 8)[:, None] & mask_n[None, :],
-            other=0,  # any word: the activations past K are zero
-            eviction_policy="evict_first",
-        )
-        # [ROWS, BLOCK_N, 2 (code j or j + 4), 2 (j // 2 % 2), 2 (j % 2)] flattens to the word's K order 4c + 2d + e
-        t = tl.join(
-            tl.join(_nibble_pair(words, 0, FP16), _nibble_pair(words, 2, FP16)),
-            tl.join(_nibble_pair(words, 1, FP16), _nibble_pair(words, 3, FP16)),
-        )
-        wt = tl.reshape(tl.permute(tl.reshape(t, (ROWS, BLOCK_N, 8)), (1, 0, 2)), (BLOCK_N, BLOCK_K))
-        kk = k0 + offs_k
-        xt = tl.load(
-            x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=(kk < K)[:, None] & mask_m[None, :], other=0.0
-        )
-        if ONE_GROUP:
-            acc = tl.dot(wt, xt, acc)
-        else:
-            live = (k0 + 0 * offs_n) < K  # as a vector: the interpreter masks only with tensors
-            s = tl.load(s_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
-            acc += tl.dot(wt, xt) * s[:, None]
-    if ONE_GROUP:
-        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    _split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
-
-
-@triton.jit
 def _dequant_kernel(
     w_ptr,
     s_ptr,
@@ -680,15 +600,11 @@ def matmul_flat(
     num_warps: int = 4,
     cuda_cores: bool | None = None,
     expand: bool = False,
-    swap: bool = False,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` with the flat split-K kernel: ``tiles`` K tiles per program, K split over the grid.
 
     ``cuda_cores`` (default: ``M == 1``) reduces on the CUDA cores; otherwise ``tl.dot`` on a 16-row activation
     tile, with ``expand`` loading each word once and repeating it in registers instead of once per K row.
-    ``swap`` runs the transposed product (``_swap_kernel``: the weight tile on the MMA's M side, built from
-    16-bit magic numbers); it takes 4-bit codes, fp16/bf16 activations and one group or groups of a multiple of
-    ``block_k``.
     """
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
@@ -697,17 +613,9 @@ def matmul_flat(
     pack = 32 // bits
     if block_k % pack or block_k < pack or (gs > 0 and gs % pack):
         raise ValueError(f"block_k={block_k} must be a multiple of {pack}")
-    cuda_cores = not swap and ((m == 1) if cuda_cores is None else cuda_cores)
+    cuda_cores = (m == 1) if cuda_cores is None else cuda_cores
     if cuda_cores and m != 1:
         raise ValueError("the CUDA-core reduction takes one activation row")
-    if swap:
-        if bits != 4 or x.dtype not in (torch.float16, torch.bfloat16) or not (gs <= 0 or gs % block_k == 0):
-            raise ValueError(
-                f"swap takes 4-bit codes, fp16/bf16 activations and groups of a multiple of block_k ({block_k}); "
-                f"got bits={bits}, {x.dtype}, group_size={gs}"
-            )
-        if block_n < 16 or block_n & (block_n - 1) or block_k < 16 or block_k & (block_k - 1):
-            raise ValueError(f"swap takes power-of-two tiles of at least 16, got block_n={block_n}, block_k={block_k}")
     y = _output(out, m, n, x)
     n_tiles = cdiv(n, block_n)
     splits = cdiv(cdiv(k, block_k), tiles)
@@ -715,27 +623,6 @@ def matmul_flat(
     if x.device.type != "cuda":
         part.fill_(float("nan"))
     cnt = _counters(x.device, n_tiles)
-    if swap:
-        _swap_kernel[(n_tiles, splits)](
-            x,
-            qweight,
-            scales,
-            y,
-            part,
-            cnt,
-            m,
-            n,
-            k,
-            x.stride(0),
-            y.stride(0),
-            GROUP_SIZE=gs,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            TILES=tiles,
-            num_warps=num_warps,
-            num_stages=1,
-        )
-        return y
     _flat_kernel[(n_tiles, splits)](
         x,
         qweight,
