@@ -76,12 +76,12 @@ def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None
     return None
 
 
-def _auto_path(m: int) -> str:
+def _auto_path(m: int, n: int) -> str:
     if m == 1:
         return "gemv"
     if m <= 16:
         return "flat"
-    return "tiled" if m < tk.DEQUANT_MIN_M else "dequant+mm"
+    return "tiled" if m < tk.DEQUANT_MIN_M and tk._tiled_fills(m, n, torch.device(DEVICE)) else "dequant+mm"
 
 
 def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
@@ -95,7 +95,7 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     expect = F.linear(x, dense[0]).float()
     rel_err = float((ours.float() - expect).norm() / expect.norm())
 
-    row: dict = {"layer": name, "K": k, "N": n, "M": m, "path": _auto_path(m), "rel_err_vs_dense": rel_err}
+    row: dict = {"layer": name, "K": k, "N": n, "M": m, "path": _auto_path(m, n), "rel_err_vs_dense": rel_err}
     row["cublas_us"] = _time_us(lambda i: F.linear(x, dense[i]), rep)
     row["ours_us"] = _time_us(lambda i: w4a16_matmul(x, qweight[i], scales[i], 4, GROUP), rep)
     row["cublas_eager_us"] = _eager_us(lambda i: F.linear(x, dense[i]), rep)

@@ -4,6 +4,7 @@ against ``salaquant.gptq.packing``, and the GPU paths at SALA shapes (CUDA only)
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -58,6 +59,9 @@ def test_triton_matches_reference(m: int, group_size: int, dtype: torch.dtype) -
         ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
         w = dequantize(qweight, scales, 4, group_size)
         _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype}")
+        if m > 16:  # the tiled kernel too, whichever path the dispatch took
+            y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
+            _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiled")
 
 
 @pytest.mark.parametrize("m", [1, 5, 33])
@@ -71,6 +75,45 @@ def test_triton_8bit(m: int) -> None:
         ref = w4a16_matmul_reference(x, qweight, scales, 8, group_size)
         w = dequantize(qweight, scales, 8, group_size)
         _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} M={m} gs={group_size} 8-bit")
+        if m > 16:
+            y = tk.matmul_tiled(x, qweight, scales, 8, group_size, out=_poisoned(m, 192, torch.float16))
+            _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} M={m} gs={group_size} 8-bit tiled")
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "sms", "path"),
+    [
+        (1, 64, 4, "gemv"),
+        (16, 64, 4, "flat"),
+        (17, 512, 4, "tiled"),  # 1 x 4 tiles of 128 x 128 on 4 SMs
+        (17, 384, 4, "dequantize"),  # 3 tiles
+        (300, 256, 4, "tiled"),  # 3 x 2
+        (300, 128, 4, "dequantize"),  # 3 x 1
+        (128, 32768, 132, "tiled"),  # the H200 figures in _tiled_fills: gate_up 256 tiles
+        (128, 12288, 132, "dequantize"),  # lightning qkv: 96
+        (1024, 64, 4, "dequantize"),  # DEQUANT_MIN_M
+    ],
+)
+def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, sms: int, path: str) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    class Taken(Exception):
+        pass
+
+    def spy(name: str) -> Callable[..., None]:
+        def called(*args: object, **kwargs: object) -> None:
+            raise Taken(name)
+
+        return called
+
+    monkeypatch.setattr(tk, "_sm_count", lambda device: sms)
+    for name in ("matmul_gemv", "matmul_flat", "matmul_tiled", "dequantize"):
+        monkeypatch.setattr(tk, name, spy(name))
+    x = torch.zeros(m, 64, dtype=torch.float16)
+    qweight, scales = torch.zeros(8, n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
+    with pytest.raises(Taken) as taken:
+        tk.matmul(x, qweight, scales, 4, -1)
+    assert str(taken.value) == (path if path == "dequantize" else f"matmul_{path}")
 
 
 def _variants():
