@@ -23,7 +23,7 @@ torch.manual_seed(0)
 H, D = 32, 128
 q, k, v = (torch.randn(1, t, H, D, device="cuda").to(dtype) for _ in range(3))
 g = -ref.alibi_slopes(H).cuda()
-configs = tk.TUNED_CONFIGS[(9, 128, 128, "tf32", torch.float32)] if pinned != "autotuned" else None
+configs = tk.TUNED_CONFIGS[(9, 128, 128, "tf32", torch.float32, torch.float32)] if pinned != "autotuned" else None
 if pinned.startswith("output:"):  # the pinned state kernel and one output-kernel candidate
     configs = (configs[0], tk.OUTPUT_CONFIGS[int(pinned.split(":")[1])])
 o, s = tk.chunk_fwd(q, k, v, g, D**-0.5, None, True, out_dtype=getattr(torch, out), configs=configs)

@@ -157,12 +157,16 @@ def test_tuned_configs_are_autotune_candidates() -> None:
     from salaquant.kernels.gla import triton_kernels as tk
 
     assert tk.TUNED_CONFIGS
-    for (major, dk, dv, precision, dtype), (state, output) in tk.TUNED_CONFIGS.items():
+    for (major, dk, dv, precision, dtype, out_dtype), (state, output) in tk.TUNED_CONFIGS.items():
         assert major >= 7 and dk > 0 and dv > 0 and precision in tk.PRECISIONS
         assert dtype in (torch.float32, torch.float16, torch.bfloat16)
+        assert out_dtype in (torch.float32, torch.float16, torch.bfloat16)
         assert state in tk.STATE_CONFIGS and output in tk.OUTPUT_CONFIGS
+    # the model's case is pinned for both output dtypes it uses (no autotuning inside a quantization run)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert (9, 128, 128, "tf32", torch.float32, out_dtype) in tk.TUNED_CONFIGS
     # no pin off the GPU: the interpreter and the CPU keep their own path
-    assert tk._tuned(torch.device("cpu"), 128, 128, "tf32", torch.float32) is None
+    assert tk._tuned(torch.device("cpu"), 128, 128, "tf32", torch.float32, torch.float32) is None
 
 
 def test_chunk_tiles_fit_head_dims(poison: None) -> None:
@@ -319,6 +323,10 @@ def test_gpu_chunk_sala_shape() -> None:
         assert s is not None
         assert _rel_err(o, o_ref) < tol, precision
         assert _rel_err(s, s_ref) < tol, precision
+    # the model's case: fp32 operands, TF32 dots, the output stored as bf16 = the fp32 output rounded once
+    o16, s16 = kgla.chunk_gla(q, k, v, g, scale, s0, True, out_dtype=torch.bfloat16)
+    assert o16.dtype == torch.bfloat16 and s16 is not None
+    assert torch.equal(o16, o.to(torch.bfloat16)) and torch.equal(s16, s)
     # bf16 inputs against the reference on the same rounded values
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     o_ref_b, s_ref_b = ref.chunk_gla(qb, kb, vb, g, scale, s0, output_final_state=True)

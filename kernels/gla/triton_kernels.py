@@ -71,14 +71,21 @@ and a bf16 output it returned wrong values (relative error 0.75 at T=8192) and a
 illegal memory access on an H200 (Triton 3.6), where every other candidate matched the reference in that case
 (and every candidate with fp32 inputs and output)."""
 
-TUNED_CONFIGS: dict[tuple[int, int, int, str, torch.dtype], tuple[Config, Config]] = {
-    # the calibration engine's case (fp32 operands, TF32 dots, SALA head dims) on Hopper
-    (9, 128, 128, "tf32", torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
+TUNED_CONFIGS: dict[tuple[int, int, int, str, torch.dtype, torch.dtype], tuple[Config, Config]] = {
+    # the runtime's and the calibration engine's case: fp32 operands, TF32 dots, SALA head dims, on Hopper; the
+    # output stored as fp32 or as the activations' bf16 (the same tiles: tuned for the fp32 output)
+    (9, 128, 128, "tf32", torch.float32, torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
+    (9, 128, 128, "tf32", torch.float32, torch.bfloat16): ((32, 64, 4, 3), (128, 64, 4, 2)),
+    # the other cases the kernel benchmark autotuned (benchmarks/kernels_gla.py, T = 32768)
+    (9, 128, 128, "tf32x3", torch.float32, torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
+    (9, 128, 128, "ieee", torch.float32, torch.float32): ((64, 64, 8, 3), (64, 64, 4, 3)),
+    (9, 128, 128, "tf32", torch.bfloat16, torch.float32): ((64, 64, 8, 3), (128, 64, 4, 2)),
+    (9, 128, 128, "tf32", torch.bfloat16, torch.bfloat16): ((64, 64, 8, 3), (64, 128, 8, 3)),
 }
 """State and output configurations chosen by the autotuner on an H200, keyed by ``(compute capability major,
-K, V, precision, input dtype)``. A listed case launches them directly instead of compiling and timing every
-candidate on its first call (about ten seconds of a quantization run); ``SALAQUANT_GLA_AUTOTUNE=1`` autotunes
-it anyway."""
+K, V, precision, input dtype, output dtype)``. A listed case launches them directly instead of compiling and
+timing every candidate on its first call (about ten seconds of a quantization run); ``SALAQUANT_GLA_AUTOTUNE=1``
+autotunes it anyway."""
 
 _FORCE_AUTOTUNE = os.environ.get("SALAQUANT_GLA_AUTOTUNE", "0") == "1"
 
@@ -353,12 +360,14 @@ def _check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
-def _tuned(device: torch.device, dk: int, dv: int, precision: str, dtype: torch.dtype) -> tuple[Config, Config] | None:
+def _tuned(
+    device: torch.device, dk: int, dv: int, precision: str, dtype: torch.dtype, out_dtype: torch.dtype
+) -> tuple[Config, Config] | None:
     """The measured configurations of this case, or ``None`` to autotune."""
     if _INTERPRET or _FORCE_AUTOTUNE or device.type != "cuda":
         return None
     major = torch.cuda.get_device_capability(device)[0]
-    return TUNED_CONFIGS.get((major, dk, dv, precision, dtype))
+    return TUNED_CONFIGS.get((major, dk, dv, precision, dtype, out_dtype))
 
 
 def _pinned(kernel: triton.runtime.Autotuner, config: Config | None, dk: int, dv: int) -> tuple[object, dict]:
@@ -406,7 +415,7 @@ def chunk_fwd(
     if configs is None and _INTERPRET:
         configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG)  # fitted below (the autotuner prunes only a choice)
     if configs is None:
-        configs = _tuned(q.device, dk, dv, precision, q.dtype)
+        configs = _tuned(q.device, dk, dv, precision, q.dtype, out_dtype)
     nc = cdiv(t, CHUNK)
     h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     states = torch.empty(b, h, nc, dk, dv, dtype=h_dtype, device=q.device)
