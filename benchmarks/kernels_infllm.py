@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -227,6 +228,37 @@ def main() -> None:
     for name, fn in graph_phases.items():
         ms = _graph_bench(fn, 200)
         res["decode_phases_graph_us"][name] = 1e3 * ms if isinstance(ms, float) else ms
+    # launch choices of each decode phase, each in its own graph (defaults: pool_select 4 warps; stage 1 128 splits
+    # of the windows, 8 warps; stage 2 48 splits of the 96 blocks): what the defaults should be
+    defaults = {"pool_select": idx1, "stage1": s1, "stage2": graph_phases["stage2"]()}
+    variants: dict[str, tuple[str, Callable[[], Any]]] = {}
+    for warps in (1, 2, 8, 16):
+        variants[f"pool_select_warps{warps}"] = (
+            "pool_select",
+            lambda warps=warps: triton_kernels.pool_select(s1, q_start1, t, p, num_warps=warps),
+        )
+    for splits, warps in itertools.product((16, 32, 64, 128), (4, 8)):
+        variants[f"stage1_splits{splits}_warps{warps}"] = (
+            "stage1",
+            lambda splits=splits, warps=warps: triton_kernels.stage1_scores(
+                q1, k1, k2, q_start1, p, num_splits=splits, num_warps=warps
+            ),
+        )
+    for splits in (12, 24, 48, 96):
+        variants[f"stage2_splits{splits}"] = (
+            "stage2",
+            lambda splits=splits: triton_kernels.block_sparse_attention(q1, k, v, idx1, q_start1, p, num_splits=splits),
+        )
+    res["decode_sweep_graph_us"], res["decode_sweep_max_abs_diff"] = {}, {}
+    for name, (phase, fn) in variants.items():
+        try:  # each variant's result against the default launch's
+            diff = float((fn().float() - defaults[phase].float()).abs().max())
+        except Exception as exc:  # a launch choice that fails is recorded, the rest still run
+            res["decode_sweep_graph_us"][name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            continue
+        res["decode_sweep_max_abs_diff"][name] = diff
+        ms = _graph_bench(fn, 100)
+        res["decode_sweep_graph_us"][name] = 1e3 * ms if isinstance(ms, float) else ms
 
     # ---- optional launch-configuration sweep ----
     if args.sweep:
@@ -294,6 +326,12 @@ def main() -> None:
     print("decode phases (us): " + ", ".join(f"{n} {x:.1f}" for n, x in res["decode_phases_us"].items()))
     graphed = [f"{n} {x if isinstance(x, str) else f'{x:.1f}'}" for n, x in res["decode_phases_graph_us"].items()]
     print("decode phases in graphs (us): " + ", ".join(graphed))
+    diffs = res["decode_sweep_max_abs_diff"]
+    sweep = [
+        f"{n} {x if isinstance(x, str) else f'{x:.1f}'} (diff {diffs.get(n, float('nan')):.2g})"
+        for n, x in res["decode_sweep_graph_us"].items()
+    ]
+    print("decode launch choices in graphs (us): " + ", ".join(sweep))
     print(f"dense SDPA {res['prefill_dense_tflops']:.0f} TFLOP/s; tail err {res['prefill_tail_max_abs_err']:.3g}")
     if args.sweep:
         for key, val in res["sweep"].items():
