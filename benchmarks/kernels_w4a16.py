@@ -80,7 +80,7 @@ def _auto_path(m: int, n: int) -> str:
     if m == 1:
         return "gemv"
     if m <= 16:
-        return "flat"
+        return "wleft"
     return "tiled" if m < tk.DEQUANT_MIN_M and tk._tiled_fills(m, n, torch.device(DEVICE)) else "dequant+mm"
 
 
@@ -108,6 +108,12 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["flat"] = _time_us(
             lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep
         )
+    if m <= 16:  # the weights-left kernel at M=1 too; the earlier 2-16-row default beside it
+        alt["wleft"] = _time_us(lambda i: tk.matmul_wleft(x, qweight[i], scales[i], 4, GROUP), rep)
+        got = tk.matmul_wleft(x, qweight[0], scales[0], 4, GROUP).float()
+        row["rel_err_wleft_vs_dense"] = float((got - expect).norm() / expect.norm())
+    if 1 < m <= 16:
+        alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, **tk.FLAT_DOT_CONFIG), rep)
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
 

@@ -1,12 +1,13 @@
 """Launch-configuration sweep of the W4A16 split-K kernels at SALA shapes (M = 1 and 16) on a GPU.
 
 Every configuration of ``matmul_flat`` (CUDA-core reduction for M = 1, ``tl.dot`` with and without in-register
-word expansion for M = 1 and 16) is checked against the dequantize-then-matmul result and timed in a CUDA graph
-over 4 rotated weight copies, beside cuBLAS bf16 ``F.linear`` and the current default path timed the same way.
+word expansion for M = 1 and 16) and of ``matmul_wleft`` (tile width, splits, warps, stages) is checked against
+the dequantize-then-matmul result and timed in a CUDA graph over 4 rotated weight copies, beside cuBLAS bf16
+``F.linear`` and the current default path timed the same way.
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
 configuration table in ``triton_kernels`` is chosen from.
 
-  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds flat]
+  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds wleft]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("block_n", "block_k", "tiles", "num_warps", "cuda_cores", "expand")
+CONFIG_KEYS = ("kernel", "block_n", "block_k", "tiles", "split_k", "num_warps", "num_stages", "cuda_cores", "expand")
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -47,9 +48,9 @@ def eager_us(fn: Callable[[int], object]) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=50, return_mode="median") * 1e3
 
 
-def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat")) -> list[dict]:
-    """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1) and ``flat`` (``tl.dot`` on
-    the activation side)."""
+def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft")) -> list[dict]:
+    """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1), ``flat`` (``tl.dot`` on
+    the activation side) and ``wleft`` (the weights as the MMA's left operand, ``split_k`` None = the default)."""
     out = []
     if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
@@ -57,7 +58,17 @@ def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat")) -> list[dict]:
     for bn, bk, t, ex in itertools.product((64, 128, 256), (64, 128), (1, 2), (False, True)):
         if "flat" in kinds:
             out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
+    if "wleft" in kinds:
+        for bn, split, w, st in itertools.product((32, 64, 128), (None, 1, 2, 4), (4, 8), (1, 2)):
+            out.append(dict(kernel="wleft", block_n=bn, split_k=split, num_warps=w, num_stages=st))
     return out
+
+
+def _run(cfg: dict) -> Callable[..., torch.Tensor]:
+    """The kernel a configuration names, with the configuration's launch settings bound."""
+    options = {key: val for key, val in cfg.items() if key != "kernel"}
+    kernel = tk.matmul_wleft if cfg.get("kernel") == "wleft" else tk.matmul_flat
+    return lambda x, w, s: kernel(x, w, s, 4, GROUP, **options)
 
 
 def sweep_case(
@@ -74,9 +85,10 @@ def sweep_case(
     results = []
     for cfg in candidates(m, kinds):
         try:
-            y = tk.matmul_flat(x, qw[0], sc[0], 4, GROUP, **cfg).float()
+            run = _run(cfg)
+            y = run(x, qw[0], sc[0]).float()
             err = float((y - ref).norm() / ref.norm())
-            us = graph_us(lambda i, cfg=cfg: tk.matmul_flat(x, qw[i], sc[i], 4, GROUP, **cfg))
+            us = graph_us(lambda i, run=run: run(x, qw[i], sc[i]))
             results.append({**cfg, "us": us, "rel_err": err})
         except Exception as exc:  # a configuration that fails to compile is recorded, the rest still run
             results.append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -88,7 +100,7 @@ def sweep_case(
         flush=True,
     )
     for r in ok[:top]:
-        cfg = " ".join(f"{key}={r[key]}" for key in CONFIG_KEYS)
+        cfg = " ".join(f"{key}={r[key]}" for key in CONFIG_KEYS if key in r)
         print(f"    {r['us']:7.1f} us  x{base['cublas'] / r['us']:.2f}  {cfg}  err={r['rel_err']:.1e}", flush=True)
     bad = [r for r in results if "us" in r and r["rel_err"] >= 1e-2]
     if bad:
@@ -102,7 +114,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["gemv", "flat"], choices=["gemv", "flat"])
+    ap.add_argument("--kinds", nargs="+", default=["gemv", "flat", "wleft"], choices=["gemv", "flat", "wleft"])
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []

@@ -84,7 +84,8 @@ def test_triton_8bit(m: int) -> None:
     ("m", "n", "sms", "path"),
     [
         (1, 64, 4, "gemv"),
-        (16, 64, 4, "flat"),
+        (16, 64, 4, "wleft"),  # 4-bit codes, fp16 activations, one group
+        (2, 64, 4, "wleft"),
         (17, 512, 4, "tiled"),  # 1 x 4 tiles of 128 x 128 on 4 SMs
         (17, 384, 4, "dequantize"),  # 3 tiles
         (300, 256, 4, "tiled"),  # 3 x 2
@@ -107,13 +108,18 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
         return called
 
     monkeypatch.setattr(tk, "_sm_count", lambda device: sms)
-    for name in ("matmul_gemv", "matmul_flat", "matmul_tiled", "dequantize"):
+    for name in ("matmul_gemv", "matmul_wleft", "matmul_flat", "matmul_tiled", "dequantize"):
         monkeypatch.setattr(tk, name, spy(name))
     x = torch.zeros(m, 64, dtype=torch.float16)
     qweight, scales = torch.zeros(8, n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
     with pytest.raises(Taken) as taken:
         tk.matmul(x, qweight, scales, 4, -1)
     assert str(taken.value) == (path if path == "dequantize" else f"matmul_{path}")
+    if path == "wleft":  # what it cannot take goes to the flat kernel
+        for xx, group in ((x.float(), -1), (x, 16), (x, 48)):
+            with pytest.raises(Taken) as taken:
+                tk.matmul(xx, qweight, scales, 4, group)
+            assert str(taken.value) == "matmul_flat"
 
 
 def _variants():
@@ -239,6 +245,8 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
+    else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
+        paths["wleft"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out)
     for name, run in paths.items():
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = run(out).float()
@@ -285,6 +293,47 @@ def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_si
         what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles}"
         what += f" cc={cuda_cores} ex={expand}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
+def test_wleft_matches_reference(m: int, group_size: int) -> None:
+    """The weights-left kernel (weights on the MMA's M side, built from 16-bit magic numbers, K loop per split)."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    # K = 416 leaves a partial last tile of 64 and splits of unequal length; N = 80 a partial column tile
+    for k, n, block_n, block_k, split_k in [(416, 80, 32, 64, 3), (256, 64, 64, None, None), (512, 96, 32, 32, 1)]:
+        if group_size > 0 and (k % group_size or group_size % (block_k or min(group_size, 128))):
+            continue
+        seed = _seed()
+        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
+        out = _poisoned(m, n, torch.float16)
+        y = tk.matmul_wleft(
+            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k
+        )
+        assert y is out
+        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
+        w = dequantize(qweight, scales, 4, group_size)
+        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bn={block_n} bk={block_k} split={split_k} wleft"
+        _assert_close(y, ref, x, w, TOL[torch.float16], what)
+
+
+def test_wleft_refuses_what_it_cannot_run() -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    x, qweight, scales = _operands(0, 4, 256, 64, 4, 32, torch.float16)
+    with pytest.raises(ValueError, match="groups of a multiple of block_k"):
+        tk.matmul_wleft(x, qweight, scales, 4, 32, block_k=64)  # groups smaller than a K tile
+    x8, qweight8, scales8 = _operands(0, 4, 256, 64, 8, 128, torch.float16)
+    with pytest.raises(ValueError, match="4-bit codes"):
+        tk.matmul_wleft(x8, qweight8, scales8, 8, 128)
+    x, qweight, scales = _operands(0, 4, 256, 64, 4, 128, torch.float16)
+    with pytest.raises(ValueError, match="4-bit codes"):
+        tk.matmul_wleft(x.float(), qweight, scales, 4, 128)
+    with pytest.raises(ValueError, match="powers of two"):
+        tk.matmul_wleft(x, qweight, scales, 4, 128, block_n=48)
+    with pytest.raises(ValueError, match="1 to 16 activation rows"):
+        tk.matmul_wleft(torch.zeros(17, 256, dtype=torch.float16), qweight, scales, 4, 128)
 
 
 def test_flat_8bit_and_bad_arguments() -> None:

@@ -7,10 +7,17 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   tile's math) and takes the ``p`` values out of every word with masks (``_word_value``: one logic op and one FMA
   per value, exact), multiplies them by the activation into a 2-D fp32 accumulator and applies the group scale
   once per word row.
-* ``2 <= M <= 16``, ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short,
-  fully unrolled run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in
-  natural K order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core
-  reduction for one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
+* ``2 <= M <= 16``, ``wleft`` (``matmul_wleft``): ``Y^T = W x^T``, the weight tile the MMA's left operand and the
+  16 activation rows its N side. Each program loops over a run of K tiles (splits as the GEMV's, so the fp32
+  partials stay small against the weights); a word tile loaded with N along the fast axis expands, through
+  16-bit magic numbers, straight into a ``[BLOCK_N, BLOCK_K]`` tile in K order. This is the structure of the
+  NVFP4 decode kernel (``salaquant.kernels.nvfp4``), in fewer instructions per weight (3.8 against 5.0 in the
+  sm_90 SASS of the main loop, read with ``benchmarks/sass_report.py``). Used for 4-bit codes, fp16/bf16
+  activations and groups of 32, 64 or a multiple of 128 (or one group); other cases take ``flat``.
+* ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short, fully unrolled
+  run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in natural K
+  order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core reduction for
+  one row (``cuda_cores=True``), within a few percent of ``gemv`` at SALA shapes.
 * ``16 < M < DEQUANT_MIN_M``, ``tiled``: output tiles ``[BLOCK_M, BLOCK_N]`` over the whole K, grouped launch
   order; each ``[BLOCK_K, BLOCK_N]`` weight tile is dequantized to the activation dtype and fed to one ``tl.dot``.
   Only where its output tiles, counted at 128 x 128, are at least as many as the GPU's SMs (``_tiled_fills``):
@@ -19,7 +26,7 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   (``dequantize``) and the product runs in ``torch.matmul``; at ``M >= DEQUANT_MIN_M`` the GEMM is compute-bound
   and the dequantization costs a few percent.
 
-Split-K reduction (``gemv``, ``flat``): every program stores its fp32 partial tile into a workspace, then
+Split-K reduction (``gemv``, ``wleft``, ``flat``): every program stores its fp32 partial tile into a workspace, then
 increments a per-column-tile counter; the program that completes the count sums the partials in split order,
 writes the output in the activation dtype and resets the counter. One launch, no atomics on data, and
 run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch leaves zeroed.
@@ -48,6 +55,7 @@ __all__ = [
     "matmul_flat",
     "matmul_gemv",
     "matmul_tiled",
+    "matmul_wleft",
 ]
 
 DEQUANT_MIN_M = 1024
@@ -445,6 +453,84 @@ def _flat_kernel(
 
 
 @triton.jit
+def _nibble_pair(w, J: tl.constexpr, FP16: tl.constexpr):
+    """Codes ``J`` and ``J + 4`` of int32 words ``w`` (eight 4-bit codes each) as ``code - 8`` in fp16 or bf16,
+    joined along a new last axis. Both codes are masked into the mantissas of a pair of 16-bit magic numbers
+    (1024 in fp16, 128 in bf16, whose mantissa steps are 1) with one shift and one logic op per word; one 16-bit
+    subtraction each removes the magic number and the zero point. Exact, and no int-to-float conversion."""
+    bits = ((w.to(tl.uint32, bitcast=True) >> (4 * J)) & 0x000F000F) | (0x64006400 if FP16 else 0x43004300)
+    lo = bits.to(tl.uint16)
+    hi = (bits >> 16).to(tl.uint16)
+    if FP16:
+        return tl.join(lo.to(tl.float16, bitcast=True) - 1032.0, hi.to(tl.float16, bitcast=True) - 1032.0)
+    else:
+        return tl.join(lo.to(tl.bfloat16, bitcast=True) - 136.0, hi.to(tl.bfloat16, bitcast=True) - 136.0)
+
+
+@triton.jit
+def _wleft_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP16: tl.constexpr,
+):
+    """``matmul_wleft``: ``Y^T = W x^T`` for up to 16 activation rows, the weight tile the MMA's left operand.
+
+    Grid ``(cdiv(N, BLOCK_N), splits)``; each program loops over its split's K tiles. A ``[BLOCK_N, BLOCK_K / 8]``
+    word tile is loaded with N along the fast axis (coalesced), each word expanded into its eight codes in K order
+    (``_nibble_pair``), so the ``[BLOCK_N, BLOCK_K]`` weight tile needs no transposition; the 16 activation rows
+    are the MMA's N side. 4-bit codes, fp16/bf16 activations, one group or groups of a multiple of ``BLOCK_K``
+    (one scale per column and K tile, applied to the tile's product)."""
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    ROWS: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, 16)
+    mask_m = offs_m < M
+    offs_r = tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    start, end = _k_slice(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, 16), tl.float32)
+    for t in range(start, end):
+        rows = t * ROWS + offs_r
+        words = tl.load(
+            w_ptr + rows[None, :] * N + offs_n[:, None],
+            mask=mask_n[:, None] & (rows < K // 8)[None, :],
+            other=0,  # any code: the activations past K are zero
+            eviction_policy="evict_first",
+        )
+        # [BLOCK_N, ROWS, 2 (code j or j + 4), 2 (j // 2 % 2), 2 (j % 2)] flattens to K order 8 r + 4c + 2d + e
+        t_codes = tl.join(
+            tl.join(_nibble_pair(words, 0, FP16), _nibble_pair(words, 2, FP16)),
+            tl.join(_nibble_pair(words, 1, FP16), _nibble_pair(words, 3, FP16)),
+        )
+        wt = tl.reshape(t_codes, (BLOCK_N, BLOCK_K))
+        kk = t * BLOCK_K + offs_k
+        xt = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=(kk < K)[:, None] & mask_m[None, :], other=0.0
+        )
+        if ONE_GROUP:
+            acc = tl.dot(wt, xt, acc)
+        else:
+            s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc += tl.dot(wt, xt) * s[:, None]
+    if ONE_GROUP:
+        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    _split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+
+
+@triton.jit
 def _dequant_kernel(
     w_ptr,
     s_ptr,
@@ -514,6 +600,13 @@ def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> i
         split_k = min(k_tiles // _MIN_TILES_PER_SPLIT, cdiv(_DECODE_WAVES * sms, n_tiles))
     split_k = max(1, min(int(split_k), k_tiles))
     return cdiv(k_tiles, cdiv(k_tiles, split_k))
+
+
+def _wleft_takes(x: Tensor, bits: int, group_size: int, k: int) -> bool:
+    """Whether ``matmul_wleft`` runs this case with its default K tile: 4-bit codes, fp16/bf16 activations, one
+    group or groups of 32, 64 or a multiple of 128."""
+    gs = _kernel_group(group_size, k)
+    return bits == 4 and x.dtype in (torch.float16, torch.bfloat16) and (gs <= 0 or gs in (32, 64) or gs % 128 == 0)
 
 
 def _kernel_group(group_size: int, k: int) -> int:
@@ -661,6 +754,66 @@ def matmul_flat(
     return y
 
 
+def matmul_wleft(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    block_n: int = 64,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 1,
+) -> Tensor:
+    """``x [M <= 16, K] @ W^T`` with the weights as the MMA's left operand (``_wleft_kernel``), each program
+    looping over a run of K tiles; splits as the GEMV's (``split_k`` overrides). 4-bit codes, fp16/bf16
+    activations; ``block_k`` (a power of two, default 128 or the group size when that is 32 or 64) must divide
+    the group size unless the whole K is one group.
+    """
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    m = x.shape[0]
+    if not 1 <= m <= 16:
+        raise ValueError(f"the weights-left kernel takes 1 to 16 activation rows, got {m}")
+    if block_k is None:
+        block_k = gs if gs in (32, 64) else 128
+    if bits != 4 or x.dtype not in (torch.float16, torch.bfloat16) or not (gs <= 0 or gs % block_k == 0):
+        raise ValueError(
+            f"the weights-left kernel takes 4-bit codes, fp16/bf16 activations and groups of a multiple of "
+            f"block_k ({block_k}); got bits={bits}, {x.dtype}, group_size={gs}"
+        )
+    if block_n < 16 or block_n & (block_n - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"tiles must be powers of two of at least 16, got block_n={block_n}, block_k={block_k}")
+    y = _output(out, m, n, x)
+    n_tiles = cdiv(n, block_n)
+    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k)
+    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    if x.device.type != "cuda":
+        part.fill_(float("nan"))  # a read of an unwritten partial then shows up in the result
+    _wleft_kernel[(n_tiles, splits)](
+        x,
+        qweight,
+        scales,
+        y,
+        part,
+        _counters(x.device, n_tiles),
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        GROUP_SIZE=gs,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        FP16=x.dtype == torch.float16,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
+
+
 def matmul_tiled(
     x: Tensor,
     qweight: Tensor,
@@ -740,6 +893,8 @@ def matmul(
     if m == 1:
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
+        if _wleft_takes(x, bits, group_size, qweight.shape[0] * (32 // bits)):
+            return matmul_wleft(x, qweight, scales, bits, group_size, out=out)
         return matmul_flat(x, qweight, scales, bits, group_size, out=out, **FLAT_DOT_CONFIG)
     if m < DEQUANT_MIN_M and _tiled_fills(m, qweight.shape[1], x.device):
         return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
