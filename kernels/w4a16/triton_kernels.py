@@ -11,7 +11,7 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   16 activation rows its N side. Each program loops over a run of K tiles (splits as the GEMV's, so the fp32
   partials stay small against the weights); a word tile loaded with N along the fast axis expands, through
   16-bit magic numbers, straight into a ``[BLOCK_N, BLOCK_K]`` tile in K order. This is the structure of the
-  NVFP4 decode kernel (``salaquant.kernels.nvfp4``), in fewer instructions per weight (3.8 against 5.0 in the
+  NVFP4 decode kernel (``salaquant.kernels.nvfp4``), in fewer instructions per weight (4.0 against 5.0 in the
   sm_90 SASS of the main loop, read with ``benchmarks/sass_report.py``). Used for 4-bit codes, fp16/bf16
   activations and groups of 32, 64 or a multiple of 128 (or one group); other cases take ``flat``.
 * ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short, fully unrolled
@@ -177,6 +177,16 @@ def _load_words(w_ptr, t, t_end, offs_r, offs_n, N, K, ROWS: tl.constexpr, PACK:
     rows = t * ROWS + offs_r
     mask = (rows < tl.minimum(K // PACK, t_end * ROWS))[:, None] & (offs_n < N)[None, :]
     return tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _load_words_nk(w_ptr, t, t_end, offs_r, offs_n, N, K, ROWS: tl.constexpr):
+    """Word tile ``t`` of 4-bit codes as ``[BLOCK_N, ROWS]`` (N along the fast axis; zeros outside the matrix or
+    past ``t_end``)."""
+    rows = t * ROWS + offs_r
+    mask = (offs_n < N)[:, None] & (rows < tl.minimum(K // 8, t_end * ROWS))[None, :]
+    # any code where masked: the activations past K are zero
+    return tl.load(w_ptr + rows[None, :] * N + offs_n[:, None], mask=mask, other=0, eviction_policy="evict_first")
 
 
 @triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K", "BITS", "GROUP_SIZE"], do_bench=_bench)
@@ -502,14 +512,10 @@ def _wleft_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     start, end = _k_slice(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, 16), tl.float32)
+    words = _load_words_nk(w_ptr, start, end, offs_r, offs_n, N, K, ROWS)
     for t in range(start, end):
-        rows = t * ROWS + offs_r
-        words = tl.load(
-            w_ptr + rows[None, :] * N + offs_n[:, None],
-            mask=mask_n[:, None] & (rows < K // 8)[None, :],
-            other=0,  # any code: the activations past K are zero
-            eviction_policy="evict_first",
-        )
+        # Issue the next tile's loads before this tile's math, as the GEMV does.
+        nxt = _load_words_nk(w_ptr, t + 1, end, offs_r, offs_n, N, K, ROWS)
         # [BLOCK_N, ROWS, 2 (code j or j + 4), 2 (j // 2 % 2), 2 (j % 2)] flattens to K order 8 r + 4c + 2d + e
         t_codes = tl.join(
             tl.join(_nibble_pair(words, 0, FP16), _nibble_pair(words, 2, FP16)),
@@ -525,6 +531,7 @@ def _wleft_kernel(
         else:
             s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc += tl.dot(wt, xt) * s[:, None]
+        words = nxt
     if ONE_GROUP:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     _split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
