@@ -75,25 +75,30 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
                 )
             ref_out = ref.chunk_gla(q, k, v, g, SCALE, None, True) if t <= REFERENCE_MAX_T else None
             # fp32 and bf16 outputs: fla returns the input dtype (a like-for-like time for bf16 inputs); the model
-            # computes in fp32 and takes a bf16 output (fp32 inputs, TF32 dots, bf16 out is the runtime's case)
-            variants = [(p, od) for p in precisions for od in (torch.float32, torch.bfloat16)]
-            for precision, out_dtype in variants:
+            # computes in fp32 and takes a bf16 output: the runtime passes bf16 activations with upcast (read as
+            # bf16, computed in fp32 with TF32 dots), the same numbers as the fp32 inputs' rows
+            variants = [(p, od, False) for p in precisions for od in (torch.float32, torch.bfloat16)]
+            if dtype == torch.bfloat16:
+                variants.append(("tf32", torch.bfloat16, True))
+            for precision, out_dtype, upcast in variants:
                 if precision != "tf32" and out_dtype != torch.float32:
                     continue  # the slower precisions once each
-                print(f"prefill T={t} {dtype}: {precision} out={out_dtype}", file=sys.stderr, flush=True)
+                case = f"prefill T={t} {dtype}: {precision} out={out_dtype} upcast={upcast}"
+                print(case, file=sys.stderr, flush=True)
                 row: dict = {
                     "kernel": "chunk",
                     "B": 1,
                     "T": t,
                     "dtype": str(dtype).removeprefix("torch."),
-                    "precision": precision if dtype == torch.float32 else "-",
+                    "precision": precision if dtype == torch.float32 or upcast else "-",
+                    "upcast": upcast,
                     "out_dtype": str(out_dtype).removeprefix("torch."),
                     "fla_ms": fla_ms,
                 }
 
-                def ours(q=q, k=k, v=v, precision=precision, out_dtype=out_dtype) -> object:
+                def ours(q=q, k=k, v=v, precision=precision, out_dtype=out_dtype, upcast=upcast) -> object:
                     return gla_kernels.chunk_fwd(
-                        q, k, v, g, SCALE, None, True, precision=precision, out_dtype=out_dtype
+                        q, k, v, g, SCALE, None, True, precision=precision, out_dtype=out_dtype, upcast=upcast
                     )
 
                 _timed(row, "ours_ms", ours)

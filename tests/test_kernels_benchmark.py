@@ -44,8 +44,9 @@ def _write(out: Path) -> None:
             {
                 "kernel": "chunk",
                 "T": 32768,
-                "dtype": "float32",
+                "dtype": "bfloat16",
                 "precision": "tf32",
+                "upcast": True,
                 "out_dtype": "bfloat16",
                 "ours_ms": 2.0,
                 "fla_ms": 1.8,
@@ -54,11 +55,11 @@ def _write(out: Path) -> None:
                 "kernel": "chunk",
                 "T": 32768,
                 "dtype": "float32",
-                "precision": "ieee",
+                "precision": "tf32",
                 "out_dtype": "bfloat16",
                 "ours_ms": 0.1,
                 "fla_ms": 1.8,
-            },  # other precisions are not the runtime's case
+            },  # fp32 inputs: not a reported case
             {"kernel": "recurrent", "B": 8, "mode": "new_state", "ours_ms": 0.022, "fla_ms": 0.151},
             {"kernel": "recurrent", "B": 8, "mode": "inplace", "ours_ms": 0.02, "fla_ms": 0.151},
         ]
@@ -89,7 +90,7 @@ def test_summary_ratios_and_targets(tmp_path: Path) -> None:
     gla = [case for case in rows if case.startswith("GLA chunk")]
     assert len(gla) == 2
     as_fla = rows["GLA chunk prefill T=32768, bf16 in, bf16 out, as fla"]
-    runtime = rows["GLA chunk prefill T=32768, fp32 in (TF32), bf16 out, the runtime"]
+    runtime = rows["GLA chunk prefill T=32768, bf16 in computed in fp32 (TF32), bf16 out, the runtime"]
     assert as_fla["ratio"] == pytest.approx(1.2) and as_fla["met"] is True
     assert runtime["ratio"] == pytest.approx(0.9) and runtime["met"] is False
     assert rows["GLA recurrent decode B=8"]["ours"] == 0.022  # the new-state mode, not the in-place one

@@ -107,6 +107,27 @@ def test_chunk_out_dtype_is_the_fp32_output_rounded_once(t: int, poison: None) -
     assert torch.equal(o_s, o)
 
 
+@pytest.mark.parametrize("t", [40, 130])
+def test_upcast_equals_fp32_inputs(t: int, poison: None) -> None:
+    """``upcast``: 16-bit q, k, v computed in fp32 give exactly what their fp32 copies give (T=40 takes the
+    recurrent form, which always upcasts; T=130 the chunked form, partial last chunk, strided views)."""
+    dk, dv = 32, 40
+    fused = torch.randn(B, t, H, 2 * dk + dv).half()
+    q, k, v = fused[..., :dk], fused[..., dk : 2 * dk], fused[..., 2 * dk :]
+    s0 = torch.randn(B, H, dk, dv)
+    o32, s32 = kgla.simple_gla(q.float(), k.float(), v.float(), G_GAMMA, 0.2, s0, True, "triton", precision="ieee")
+    o16, s16 = kgla.simple_gla(q, k, v, G_GAMMA, 0.2, s0, True, "triton", precision="ieee", upcast=True)
+    assert s32 is not None and s16 is not None
+    assert torch.equal(o16, o32) and torch.equal(s16, s32)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0, output_final_state=True)
+    assert s_ref is not None
+    _close(o16, o_ref)
+    _close(s16, s_ref)
+    if t >= ref.RECURRENT_MAX_LEN:  # without upcast the chunked form runs fp16 dots: not the same numbers
+        o_half, _ = kgla.simple_gla(q, k, v, G_GAMMA, 0.2, s0, True, "triton", precision="ieee")
+        assert not torch.equal(o_half, o32)
+
+
 def test_chunk_option_errors() -> None:
     from salaquant.kernels.gla import triton_kernels as tk
 
@@ -327,6 +348,12 @@ def test_gpu_chunk_sala_shape() -> None:
     o16, s16 = kgla.chunk_gla(q, k, v, g, scale, s0, True, out_dtype=torch.bfloat16)
     assert o16.dtype == torch.bfloat16 and s16 is not None
     assert torch.equal(o16, o.to(torch.bfloat16)) and torch.equal(s16, s)
+    # and as the runtime runs it: bf16 activations upcast in the kernel = their fp32 copies
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    o_up, s_up = kgla.chunk_gla(qb, kb, vb, g, scale, s0, True, out_dtype=torch.bfloat16, upcast=True)
+    o_cp, s_cp = kgla.chunk_gla(qb.float(), kb.float(), vb.float(), g, scale, s0, True, out_dtype=torch.bfloat16)
+    assert s_up is not None and s_cp is not None
+    assert torch.equal(o_up, o_cp) and torch.equal(s_up, s_cp)
     # bf16 inputs against the reference on the same rounded values
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     o_ref_b, s_ref_b = ref.chunk_gla(qb, kb, vb, g, scale, s0, output_final_state=True)

@@ -47,14 +47,25 @@ def chunk_gla(
     *,
     precision: str = "tf32",
     out_dtype: torch.dtype = torch.float32,
+    upcast: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked (prefill) form, chunk 64. Returns ``o`` (computed in fp32, stored as ``out_dtype``) and the
-    final state (``None`` unless asked)."""
+    """Chunked (prefill) form, chunk 64. Returns ``o`` (accumulated in fp32, stored as ``out_dtype``) and the
+    final state (``None`` unless asked). ``upcast``: 16-bit inputs are computed in fp32 on the Triton path too,
+    as the reference always computes them (``chunk_fwd``)."""
     if _use_triton(backend, q):
         from .triton_kernels import chunk_fwd
 
         return chunk_fwd(
-            q, k, v, g_gamma, scale, initial_state, output_final_state, precision=precision, out_dtype=out_dtype
+            q,
+            k,
+            v,
+            g_gamma,
+            scale,
+            initial_state,
+            output_final_state,
+            precision=precision,
+            out_dtype=out_dtype,
+            upcast=upcast,
         )
     o, final = _ref.chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
     return o.to(out_dtype), final
@@ -102,11 +113,23 @@ def simple_gla(
     *,
     precision: str = "tf32",
     out_dtype: torch.dtype = torch.float32,
+    upcast: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch as SALA does: recurrent for ``T < 64``, chunked otherwise. ``out_dtype`` is the dtype of the
-    chunked form's output, stored by the kernel (the recurrent form's output stays fp32: a few tokens)."""
+    chunked form's output, stored by the kernel (the recurrent form's output stays fp32: a few tokens).
+    ``upcast`` computes 16-bit inputs in fp32 in the chunked form (the recurrent form always does)."""
     if q.shape[1] < RECURRENT_MAX_LEN:
         return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state, backend)
     return chunk_gla(
-        q, k, v, g_gamma, scale, initial_state, output_final_state, backend, precision=precision, out_dtype=out_dtype
+        q,
+        k,
+        v,
+        g_gamma,
+        scale,
+        initial_state,
+        output_final_state,
+        backend,
+        precision=precision,
+        out_dtype=out_dtype,
+        upcast=upcast,
     )

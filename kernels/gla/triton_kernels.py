@@ -125,7 +125,7 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: obj
 
 @triton.autotune(
     configs=_triton_configs(STATE_CONFIGS),
-    key=["K", "V", "PREC"],
+    key=["K", "V", "PREC", "UPCAST"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -153,6 +153,7 @@ def _chunk_state_kernel(
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -187,6 +188,9 @@ def _chunk_state_kernel(
         # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
         b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if UPCAST:  # 16-bit storage, fp32 math: the same values as fp32 inputs
+            b_kt = b_kt.to(tl.float32)
+            b_v = b_v.to(tl.float32)
         # tokens of this chunk: BT, fewer in the last one
         length = tl.minimum(T - t0, BT).to(tl.float32)
         # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
@@ -200,7 +204,7 @@ def _chunk_state_kernel(
 
 @triton.autotune(
     configs=_triton_configs(OUTPUT_CONFIGS),
-    key=["K", "V", "PREC"],
+    key=["K", "V", "PREC", "UPCAST"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -230,6 +234,7 @@ def _chunk_output_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
@@ -263,10 +268,15 @@ def _chunk_output_kernel(
         b_q = tl.load(q_base + rows[:, None] * s_qt + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         # k^T tile [BK, BT] read transposed from memory, so that no tl.trans feeds tl.dot
         b_kt = tl.load(k_base + o_k[:, None] + rows[None, :] * s_kt, mask=m_k[:, None] & m_t[None, :], other=0.0)
+        if UPCAST:
+            b_q = b_q.to(tl.float32)
+            b_kt = b_kt.to(tl.float32)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
         b_attn += tl.dot(b_q, b_kt, input_precision=PREC)
     b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if UPCAST:
+        b_v = b_v.to(tl.float32)
     b_o = b_inter * q_decay[:, None] + tl.dot((b_attn * intra_decay).to(b_v.dtype), b_v, input_precision=PREC)
     o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
     tl.store(o_ptrs, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
@@ -390,12 +400,15 @@ def chunk_fwd(
     *,
     configs: tuple[Config, Config] | None = None,
     out_dtype: torch.dtype = torch.float32,
+    upcast: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked prefill (chunk 64). Returns ``o [B, T, H, V]`` (fp32 unless ``out_dtype``) and the fp32 final
     state if asked.
 
     ``precision`` is the ``tl.dot`` input precision for fp32 inputs (``"tf32"`` as fla, ``"tf32x3"``,
-    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots. ``configs`` pins the state and output
+    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots, unless ``upcast``: then their tiles become fp32
+    as they are loaded and everything runs as for fp32 inputs holding the same values (identical results, half
+    the bytes read, no separate casts). ``configs`` pins the state and output
     kernels to one ``(BK, BV, num_warps, num_stages)`` each (tiles clamped to K and V) instead of autotuning
     them, so that each configuration of ``STATE_CONFIGS`` / ``OUTPUT_CONFIGS`` can be run on its own; left
     ``None``, a case listed in ``TUNED_CONFIGS`` uses its entry and any other case is autotuned.
@@ -414,10 +427,12 @@ def chunk_fwd(
         return o, final
     if configs is None and _INTERPRET:
         configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG)  # fitted below (the autotuner prunes only a choice)
+    upcast = upcast and q.dtype != torch.float32
+    compute_dtype = torch.float32 if upcast else q.dtype
     if configs is None:
-        configs = _tuned(q.device, dk, dv, precision, q.dtype, out_dtype)
+        configs = _tuned(q.device, dk, dv, precision, compute_dtype, out_dtype)
     nc = cdiv(t, CHUNK)
-    h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    h_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
     states = torch.empty(b, h, nc, dk, dv, dtype=h_dtype, device=q.device)
     ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
 
@@ -447,6 +462,7 @@ def chunk_fwd(
         USE_H0=h0 is not None,
         STORE_HT=ht is not None,
         PREC=precision,
+        UPCAST=upcast,
         **state_meta,
     )
 
@@ -478,6 +494,7 @@ def chunk_fwd(
         V=dv,
         BT=CHUNK,
         PREC=precision,
+        UPCAST=upcast,
         **output_meta,
     )
     return o, ht

@@ -167,10 +167,12 @@ class LightningAttention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         state = cache.state if cache is not None else None
+        # computed in fp32 from the activations' values (both gla_fn implementations upcast 16-bit inputs as
+        # they read them, without fp32 copies)
         o, final = self.gla_fn(
-            q.float(),
-            k.float(),
-            v.float(),
+            q,
+            k,
+            v,
             -alibi_slopes(self.num_heads).to(x.device),
             self.scale,
             initial_state=state,

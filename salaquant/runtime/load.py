@@ -36,7 +36,7 @@ def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
 
     attn = layer.self_attn
     if hasattr(attn, "gla_fn"):
-        attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
+        attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, upcast=True, **k)  # fp32 math, as SALA
     if hasattr(attn, "sparse_fn"):
         attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
 
