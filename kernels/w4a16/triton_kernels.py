@@ -609,11 +609,20 @@ def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> i
     return cdiv(k_tiles, cdiv(k_tiles, split_k))
 
 
+def _wleft_block_k(gs: int) -> int:
+    """The weights-left kernel's default K tile for kernel group ``gs``: the group when it is 32 or 64, else 128."""
+    return gs if gs in (32, 64) else 128
+
+
+def _wleft_runs(dtype: torch.dtype, bits: int, gs: int, block_k: int) -> bool:
+    """4-bit codes, fp16/bf16 activations, and one group or groups of a multiple of ``block_k``."""
+    return bits == 4 and dtype in (torch.float16, torch.bfloat16) and (gs <= 0 or gs % block_k == 0)
+
+
 def _wleft_takes(x: Tensor, bits: int, group_size: int, k: int) -> bool:
-    """Whether ``matmul_wleft`` runs this case with its default K tile: 4-bit codes, fp16/bf16 activations, one
-    group or groups of 32, 64 or a multiple of 128."""
+    """Whether ``matmul_wleft`` runs this case with its default K tile (groups of 32, 64 or a multiple of 128)."""
     gs = _kernel_group(group_size, k)
-    return bits == 4 and x.dtype in (torch.float16, torch.bfloat16) and (gs <= 0 or gs in (32, 64) or gs % 128 == 0)
+    return _wleft_runs(x.dtype, bits, gs, _wleft_block_k(gs))
 
 
 def _kernel_group(group_size: int, k: int) -> int:
@@ -654,6 +663,15 @@ def _run(kernel, config: triton.Config | None, grid, *args, **meta) -> None:
         kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def _partials(x: Tensor, splits: int, m: int, n: int) -> Tensor:
+    """fp32 split-K workspace ``[splits, M, N]`` (a placeholder when not split); NaN-filled off the GPU, so that a
+    read of an unwritten partial shows up in the result."""
+    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    if x.device.type != "cuda":
+        part.fill_(float("nan"))
+    return part
+
+
 def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) -> None:
     """Launch a split-K kernel, with workspace and counters sized for the largest split any config picks."""
     m, n = y.shape
@@ -664,10 +682,7 @@ def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) 
     def splits(c: dict) -> int:
         return _split_count(cdiv(n, c["BLOCK_N"]), cdiv(k, c["BLOCK_K"]), sms, split_k)
 
-    max_split = max(splits(c.kwargs) for c in configs)
-    part = torch.empty((max_split, m, n) if max_split > 1 else (1,), dtype=torch.float32, device=x.device)
-    if x.device.type != "cuda":
-        part.fill_(float("nan"))  # a read of an unwritten partial then shows up in the result
+    part = _partials(x, max(splits(c.kwargs) for c in configs), m, n)
     cnt = _counters(x.device, max(cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
     grid = lambda meta: (cdiv(n, meta["BLOCK_N"]), splits(meta))  # noqa: E731
     _run(kernel, config, grid, x, qweight, scales, y, part, cnt, *args, **meta)
@@ -729,9 +744,7 @@ def matmul_flat(
     y = _output(out, m, n, x)
     n_tiles = cdiv(n, block_n)
     splits = cdiv(cdiv(k, block_k), tiles)
-    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
-    if x.device.type != "cuda":
-        part.fill_(float("nan"))
+    part = _partials(x, splits, m, n)
     cnt = _counters(x.device, n_tiles)
     _flat_kernel[(n_tiles, splits)](
         x,
@@ -785,8 +798,8 @@ def matmul_wleft(
     if not 1 <= m <= 16:
         raise ValueError(f"the weights-left kernel takes 1 to 16 activation rows, got {m}")
     if block_k is None:
-        block_k = gs if gs in (32, 64) else 128
-    if bits != 4 or x.dtype not in (torch.float16, torch.bfloat16) or not (gs <= 0 or gs % block_k == 0):
+        block_k = _wleft_block_k(gs)
+    if not _wleft_runs(x.dtype, bits, gs, block_k):
         raise ValueError(
             f"the weights-left kernel takes 4-bit codes, fp16/bf16 activations and groups of a multiple of "
             f"block_k ({block_k}); got bits={bits}, {x.dtype}, group_size={gs}"
@@ -796,9 +809,7 @@ def matmul_wleft(
     y = _output(out, m, n, x)
     n_tiles = cdiv(n, block_n)
     splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k)
-    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
-    if x.device.type != "cuda":
-        part.fill_(float("nan"))  # a read of an unwritten partial then shows up in the result
+    part = _partials(x, splits, m, n)
     _wleft_kernel[(n_tiles, splits)](
         x,
         qweight,
