@@ -228,11 +228,11 @@ def main() -> None:
     for name, fn in graph_phases.items():
         ms = _graph_bench(fn, 200)
         res["decode_phases_graph_us"][name] = 1e3 * ms if isinstance(ms, float) else ms
-    # launch choices of each decode phase, each in its own graph (defaults: pool_select 4 warps; stage 1 128 splits
+    # launch choices of each decode phase, each in its own graph (defaults: pool_select 8 warps; stage 1 128 splits
     # of the windows, 8 warps; stage 2 48 splits of the 96 blocks): what the defaults should be
     defaults = {"pool_select": idx1, "stage1": s1, "stage2": graph_phases["stage2"]()}
     variants: dict[str, tuple[str, Callable[[], Any]]] = {}
-    for warps in (1, 2, 8, 16):
+    for warps in (4, 16):
         variants[f"pool_select_warps{warps}"] = (
             "pool_select",
             lambda warps=warps: triton_kernels.pool_select(s1, q_start1, t, p, num_warps=warps),

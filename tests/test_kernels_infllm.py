@@ -270,6 +270,22 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
+@needs_triton
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pool_select_signed_scores(seed: int) -> None:
+    """Scores of both signs and magnitudes far apart (the search runs over the whole int32 range of their
+    images): the same blocks as the reference."""
+    params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=6)
+    tq, tk = 3, 1500
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 31 * seed)
+    n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
+    scores = torch.randn(1, 2, tq, n1, generator=gen) * torch.logspace(-30, 30, n1)[torch.randperm(n1, generator=gen)]
+    scores[..., ::7] = -3.0  # ties among negative scores
+    scores = scores.to(DEV)
+    want = _select(scores, tk - tq, tk, params)
+    assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, params).long().cpu(), want.cpu())
+
+
 @pytest.mark.parametrize("value", [0.0, 0.5])
 def test_pool_select_all_scores_equal(value: float) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
