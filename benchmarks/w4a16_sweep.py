@@ -28,7 +28,18 @@ from salaquant.kernels.w4a16 import triton_kernels as tk
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
 COPIES = 4
 GROUP = 128
-CONFIG_KEYS = ("kernel", "block_n", "block_k", "tiles", "split_k", "num_warps", "num_stages", "cuda_cores", "expand")
+CONFIG_KEYS = (
+    "kernel",
+    "block_n",
+    "block_k",
+    "tiles",
+    "split_k",
+    "num_warps",
+    "num_stages",
+    "ahead",
+    "cuda_cores",
+    "expand",
+)
 
 
 def graph_us(fn: Callable[[int], object]) -> float:
@@ -50,7 +61,8 @@ def eager_us(fn: Callable[[int], object]) -> float:
 
 def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft")) -> list[dict]:
     """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1), ``flat`` (``tl.dot`` on
-    the activation side) and ``wleft`` (the weights as the MMA's left operand, ``split_k`` None = the default)."""
+    the activation side) and ``wleft`` (the weights as the MMA's left operand, ``split_k`` None = the default,
+    ``ahead`` tiles of words loaded ahead of the math, the default single pipeline stage)."""
     out = []
     if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
@@ -59,8 +71,8 @@ def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft")) -> li
         if "flat" in kinds:
             out.append(dict(block_n=bn, block_k=bk, tiles=t, num_warps=4, cuda_cores=False, expand=ex))
     if "wleft" in kinds:
-        for bn, split, w, st in itertools.product((32, 64, 128), (None, 1, 2, 4), (4, 8), (1, 2)):
-            out.append(dict(kernel="wleft", block_n=bn, split_k=split, num_warps=w, num_stages=st))
+        for bn, split, w, ahead in itertools.product((32, 64, 128), (None, 1, 2, 4), (4, 8), (1, 2)):
+            out.append(dict(kernel="wleft", block_n=bn, split_k=split, num_warps=w, ahead=ahead))
     return out
 
 

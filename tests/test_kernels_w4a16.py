@@ -247,6 +247,7 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
     else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
         paths["wleft"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out)
+        paths["wleft-ahead2"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out, ahead=2)
     for name, run in paths.items():
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = run(out).float()
@@ -301,20 +302,22 @@ def test_wleft_matches_reference(m: int, group_size: int) -> None:
     """The weights-left kernel (weights on the MMA's M side, built from 16-bit magic numbers, K loop per split)."""
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
-    # K = 416 leaves a partial last tile of 64 and splits of unequal length; N = 80 a partial column tile
-    for k, n, block_n, block_k, split_k in [(416, 80, 32, 64, 3), (256, 64, 64, None, None), (512, 96, 32, 32, 1)]:
+    # K = 416 leaves a partial last tile of 64 and splits of unequal length (3, 3 and 1 tiles: two tiles ahead
+    # reach past a split's end); N = 80 a partial column tile
+    cases = [(416, 80, 32, 64, 3, 2), (256, 64, 64, None, None, 1), (512, 96, 32, 32, 1, 2), (512, 96, 32, 32, 2, 1)]
+    for k, n, block_n, block_k, split_k, ahead in cases:
         if group_size > 0 and (k % group_size or group_size % (block_k or min(group_size, 128))):
             continue
         seed = _seed()
         x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
         out = _poisoned(m, n, torch.float16)
         y = tk.matmul_wleft(
-            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k
+            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k, ahead=ahead
         )
         assert y is out
         ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
         w = dequantize(qweight, scales, 4, group_size)
-        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bn={block_n} bk={block_k} split={split_k} wleft"
+        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bn={block_n} bk={block_k} split={split_k} ahead={ahead}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
 
 
@@ -334,6 +337,8 @@ def test_wleft_refuses_what_it_cannot_run() -> None:
         tk.matmul_wleft(x, qweight, scales, 4, 128, block_n=48)
     with pytest.raises(ValueError, match="1 to 16 activation rows"):
         tk.matmul_wleft(torch.zeros(17, 256, dtype=torch.float16), qweight, scales, 4, 128)
+    with pytest.raises(ValueError, match="ahead must be 1 or 2"):
+        tk.matmul_wleft(x, qweight, scales, 4, 128, ahead=3)
 
 
 def test_flat_8bit_and_bad_arguments() -> None:

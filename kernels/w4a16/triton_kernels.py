@@ -50,6 +50,7 @@ from .reference import check_operands
 __all__ = [
     "DEQUANT_MIN_M",
     "FLAT_DOT_CONFIG",
+    "WLEFT_TUNED",
     "dequantize",
     "matmul",
     "matmul_flat",
@@ -64,6 +65,15 @@ DEQUANT_MIN_M = 1024
 FLAT_DOT_CONFIG = {"block_n": 64, "block_k": 128, "tiles": 2, "num_warps": 4, "cuda_cores": False, "expand": True}
 """``matmul_flat`` settings ``matmul`` uses for 2..16 rows: the fastest at every SALA shape in
 ``benchmarks/w4a16_sweep.py --m 16`` on an H200 (1.01-1.12x faster than the split-K kernel it replaced)."""
+
+WLEFT_TUNED: dict[tuple[int, int, int], dict[str, int]] = {
+    (9, 4096, 32768): {"split_k": 1, "ahead": 2},  # gate_up: 67.6 us at M=16 against 71.1 with the defaults
+    (9, 4096, 12288): {"split_k": 2, "ahead": 2},  # lightning qkv: 29.0 against 32.1
+    (9, 16384, 4096): {"ahead": 2},  # down: 39.7 against 39.9
+}
+"""``matmul_wleft`` settings ``matmul`` uses for 2..16 rows, keyed by ``(compute capability major, K, N)``: the
+fastest of ``benchmarks/w4a16_sweep.py --m 16 --kinds wleft`` on an H200 (group 128, bf16) where they beat the
+defaults (one K tile loaded ahead, splits from ``_split_count``), which every other case keeps (o_proj's best)."""
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
@@ -494,6 +504,7 @@ def _wleft_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP16: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """``matmul_wleft``: ``Y^T = W x^T`` for up to 16 activation rows, the weight tile the MMA's left operand.
 
@@ -501,7 +512,8 @@ def _wleft_kernel(
     word tile is loaded with N along the fast axis (coalesced), each word expanded into its eight codes in K order
     (``_nibble_pair``), so the ``[BLOCK_N, BLOCK_K]`` weight tile needs no transposition; the 16 activation rows
     are the MMA's N side. 4-bit codes, fp16/bf16 activations, one group or groups of a multiple of ``BLOCK_K``
-    (one scale per column and K tile, applied to the tile's product)."""
+    (one scale per column and K tile, applied to the tile's product). ``AHEAD`` (1 or 2): how many tiles' words
+    are in flight while the current one is computed."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     ROWS: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -513,9 +525,14 @@ def _wleft_kernel(
     start, end = _k_slice(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, 16), tl.float32)
     words = _load_words_nk(w_ptr, start, end, offs_r, offs_n, N, K, ROWS)
+    nxt = _load_words_nk(w_ptr, start + 1, end, offs_r, offs_n, N, K, ROWS) if AHEAD == 2 else words
     for t in range(start, end):
-        # Issue the next tile's loads before this tile's math, as the GEMV does.
-        nxt = _load_words_nk(w_ptr, t + 1, end, offs_r, offs_n, N, K, ROWS)
+        # Issue the loads of the tile AHEAD tiles on before this tile's math, as the GEMV does.
+        if AHEAD == 2:
+            after = _load_words_nk(w_ptr, t + 2, end, offs_r, offs_n, N, K, ROWS)
+        else:
+            nxt = _load_words_nk(w_ptr, t + 1, end, offs_r, offs_n, N, K, ROWS)
+            after = nxt
         # [BLOCK_N, ROWS, 2 (code j or j + 4), 2 (j // 2 % 2), 2 (j % 2)] flattens to K order 8 r + 4c + 2d + e
         t_codes = tl.join(
             tl.join(_nibble_pair(words, 0, FP16), _nibble_pair(words, 2, FP16)),
@@ -532,6 +549,7 @@ def _wleft_kernel(
             s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc += tl.dot(wt, xt) * s[:, None]
         words = nxt
+        nxt = after
     if ONE_GROUP:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     _split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
@@ -787,12 +805,15 @@ def matmul_wleft(
     split_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
+    ahead: int = 1,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` with the weights as the MMA's left operand (``_wleft_kernel``), each program
     looping over a run of K tiles; splits as the GEMV's (``split_k`` overrides). 4-bit codes, fp16/bf16
     activations; ``block_k`` (a power of two, default 128 or the group size when that is 32 or 64) must divide
-    the group size unless the whole K is one group.
+    the group size unless the whole K is one group. ``ahead`` (1 or 2) tiles of words load ahead of the math.
     """
+    if ahead not in (1, 2):
+        raise ValueError(f"ahead must be 1 or 2, got {ahead}")
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     if not 1 <= m <= 16:
@@ -826,6 +847,7 @@ def matmul_wleft(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         FP16=x.dtype == torch.float16,
+        AHEAD=ahead,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -911,8 +933,13 @@ def matmul(
     if m == 1:
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
-        if _wleft_takes(x, bits, group_size, qweight.shape[0] * (32 // bits)):
-            return matmul_wleft(x, qweight, scales, bits, group_size, out=out)
+        k = qweight.shape[0] * (32 // bits)
+        if _wleft_takes(x, bits, group_size, k):
+            tuned = {}
+            if x.is_cuda and not _INTERPRET:
+                key = (torch.cuda.get_device_capability(x.device)[0], k, qweight.shape[1])
+                tuned = WLEFT_TUNED.get(key, {})
+            return matmul_wleft(x, qweight, scales, bits, group_size, out=out, **tuned)
         return matmul_flat(x, qweight, scales, bits, group_size, out=out, **FLAT_DOT_CONFIG)
     if m < DEQUANT_MIN_M and _tiled_fills(m, qweight.shape[1], x.device):
         return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
