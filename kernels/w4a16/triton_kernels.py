@@ -589,7 +589,7 @@ def _dequant_kernel(
 # Host side
 
 _COUNTERS: dict[tuple, Tensor] = {}
-_SM_COUNT: dict[int, int] = {}
+_CUDA_FACTS: dict[int, tuple[int, int]] = {}
 
 
 def _counters(device: torch.device, n: int) -> Tensor:
@@ -610,13 +610,24 @@ def _tiled_fills(m: int, n: int, device: torch.device) -> bool:
     return cdiv(m, 128) * cdiv(n, 128) >= _sm_count(device)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SMS
+def _cuda_facts(device: torch.device) -> tuple[int, int]:
+    """``(SM count, compute capability major)`` of a CUDA device, read once."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    if index not in _CUDA_FACTS:
+        props = torch.cuda.get_device_properties(index)
+        _CUDA_FACTS[index] = (props.multi_processor_count, props.major)
+    return _CUDA_FACTS[index]
+
+
+def _sm_count(device: torch.device) -> int:
+    return _cuda_facts(device)[0] if device.type == "cuda" else _CPU_SMS
+
+
+def _wleft_tuned(device: torch.device, k: int, n: int) -> dict[str, int]:
+    """The ``WLEFT_TUNED`` settings of this GPU and shape; none (the defaults) elsewhere."""
+    if device.type != "cuda" or _INTERPRET:
+        return {}
+    return WLEFT_TUNED.get((_cuda_facts(device)[1], k, n), {})
 
 
 def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> int:
@@ -935,10 +946,7 @@ def matmul(
     if 1 < m <= 16:
         k = qweight.shape[0] * (32 // bits)
         if _wleft_takes(x, bits, group_size, k):
-            tuned = {}
-            if x.is_cuda and not _INTERPRET:
-                key = (torch.cuda.get_device_capability(x.device)[0], k, qweight.shape[1])
-                tuned = WLEFT_TUNED.get(key, {})
+            tuned = _wleft_tuned(x.device, k, qweight.shape[1])
             return matmul_wleft(x, qweight, scales, bits, group_size, out=out, **tuned)
         return matmul_flat(x, qweight, scales, bits, group_size, out=out, **FLAT_DOT_CONFIG)
     if m < DEQUANT_MIN_M and _tiled_fills(m, qweight.shape[1], x.device):
