@@ -122,6 +122,21 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
             assert str(taken.value) == "matmul_flat"
 
 
+def test_weights_left_settings_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuned settings apply to a Hopper GPU at SALA's gate_up (K 4096 -> N 32768) only: not on another
+    compute capability, not on the transposed shape, never off the GPU."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 9))
+    assert tk._wleft_tuned(gpu, 4096, 32768) == {"split_k": 1, "ahead": 2}
+    assert tk._wleft_tuned(gpu, 32768, 4096) == {}
+    assert tk._wleft_tuned(torch.device("cpu"), 4096, 32768) == {}
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (108, 8))
+    assert tk._wleft_tuned(gpu, 4096, 32768) == {}
+
+
 def _variants():
     """(kernel, launch config, split_k): every scale mode and both weight-tile loaders, even and uneven splits."""
     import triton
