@@ -78,7 +78,7 @@ def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None
 
 def _auto_path(m: int, n: int) -> str:
     if m == 1:
-        return "gemv"
+        return "paired"
     if m <= 16:
         return "wleft"
     return "tiled" if m < tk.DEQUANT_MIN_M and tk._tiled_fills(m, n, torch.device(DEVICE)) else "dequant+mm"
@@ -105,6 +105,7 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
 
     alt: dict[str, float] = {}
     if m == 1:
+        alt["gemv"] = _time_us(lambda i: tk.matmul_gemv(x, qweight[i], scales[i], 4, GROUP), rep)
         alt["flat"] = _time_us(
             lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep
         )

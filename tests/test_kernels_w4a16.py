@@ -83,7 +83,7 @@ def test_triton_8bit(m: int) -> None:
 @pytest.mark.parametrize(
     ("m", "n", "sms", "path"),
     [
-        (1, 64, 4, "gemv"),
+        (1, 64, 4, "paired"),  # 4-bit codes, an fp16 row
         (16, 64, 4, "wleft"),  # 4-bit codes, fp16 activations, one group
         (2, 64, 4, "wleft"),
         (17, 512, 4, "tiled"),  # 1 x 4 tiles of 128 x 128 on 4 SMs
@@ -108,13 +108,19 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
         return called
 
     monkeypatch.setattr(tk, "_sm_count", lambda device: sms)
-    for name in ("matmul_gemv", "matmul_wleft", "matmul_flat", "matmul_tiled", "dequantize"):
+    for name in ("matmul_paired", "matmul_gemv", "matmul_wleft", "matmul_flat", "matmul_tiled", "dequantize"):
         monkeypatch.setattr(tk, name, spy(name))
     x = torch.zeros(m, 64, dtype=torch.float16)
     qweight, scales = torch.zeros(8, n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
     with pytest.raises(Taken) as taken:
         tk.matmul(x, qweight, scales, 4, -1)
     assert str(taken.value) == (path if path == "dequantize" else f"matmul_{path}")
+    if path == "paired":  # an fp32 row or 8-bit codes go to the fp32 GEMV
+        q8 = torch.zeros(16, n, dtype=torch.int32)
+        for xx, qw in ((x.float(), qweight), (x, q8)):
+            with pytest.raises(Taken) as taken:
+                tk.matmul(xx, qw, scales, 8 if qw is q8 else 4, -1)
+            assert str(taken.value) == "matmul_gemv"
     if path == "wleft":  # what it cannot take goes to the flat kernel
         for xx, group in ((x.float(), -1), (x, 16), (x, 48)):
             with pytest.raises(Taken) as taken:
@@ -261,6 +267,8 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
     else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
+        if m == 1:  # the fp32 GEMV beside the paired one the dispatch takes
+            paths["gemv"] = lambda out: tk.matmul_gemv(x, qweight, scales, out=out)
         paths["wleft"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out)
         paths["wleft-ahead2"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out, ahead=2)
     for name, run in paths.items():

@@ -2,11 +2,14 @@
 
 Paths, chosen by ``matmul`` from the number of activation rows ``M``:
 
-* ``M == 1``, ``gemv``: CUDA-core GEMV with split-K. A program owns a ``BLOCK_N`` column tile and a run of K tiles;
-  it loads each ``[BLOCK_K / p, BLOCK_N]`` tile of int32 words once (the next tile's load is issued before this
-  tile's math) and takes the ``p`` values out of every word with masks (``_word_value``: one logic op and one FMA
-  per value, exact), multiplies them by the activation into a 2-D fp32 accumulator and applies the group scale
-  once per word row.
+* ``M == 1`` with 4-bit codes and an fp16/bf16 activation, ``paired`` (``matmul_paired``, kernel in
+  ``paired_gemv``): split-K GEMV on paired fp16 arithmetic, two weights per instruction; the rounding of each
+  word's two 4-term sums to fp16 is its only departure from fp32 accumulation.
+* ``M == 1`` otherwise (8-bit codes, fp32 activations), ``gemv``: CUDA-core GEMV with split-K. A program owns a
+  ``BLOCK_N`` column tile and a run of K tiles; it loads each ``[BLOCK_K / p, BLOCK_N]`` tile of int32 words once
+  (the next tile's load is issued before this tile's math) and takes the ``p`` values out of every word with masks
+  (``_word_value``: one logic op and one FMA per value, exact), multiplies them by the activation into a 2-D fp32
+  accumulator and applies the group scale once per word row.
 * ``2 <= M <= 16``, ``wleft`` (``matmul_wleft``): ``Y^T = W x^T``, the weight tile the MMA's left operand and the
   16 activation rows its N side. Each program loops over a run of K tiles (splits as the GEMV's, so the fp32
   partials stay small against the weights); a word tile loaded with N along the fast axis expands, through
@@ -26,13 +29,14 @@ Paths, chosen by ``matmul`` from the number of activation rows ``M``:
   (``dequantize``) and the product runs in ``torch.matmul``; at ``M >= DEQUANT_MIN_M`` the GEMM is compute-bound
   and the dequantization costs a few percent.
 
-Split-K reduction (``gemv``, ``wleft``, ``flat``): every program stores its fp32 partial tile into a workspace, then
-increments a per-column-tile counter; the program that completes the count sums the partials in split order,
-writes the output in the activation dtype and resets the counter. One launch, no atomics on data, and
-run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch leaves zeroed.
+Split-K reduction (``paired``, ``gemv``, ``wleft``, ``flat``; ``split_k.py``): every program stores its fp32
+partial tile into a workspace, then increments a per-column-tile counter; the program that completes the count
+sums the partials in split order, writes the output in the activation dtype and resets the counter. One launch, no
+atomics on data, and run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch
+leaves zeroed.
 
-The launch configurations are autotuned per shape on first use (a few hundred ms per shape): run each shape once
-before capturing a CUDA graph.
+The ``gemv`` and ``tiled`` launch configurations are autotuned per shape on first use (a few hundred ms per
+shape): run each shape once before capturing a CUDA graph.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..host import cdiv, next_power_of_2
+from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
+from .split_k import k_slice, load_words, split_k_store
 
 __all__ = [
     "DEQUANT_MIN_M",
@@ -55,6 +61,7 @@ __all__ = [
     "matmul",
     "matmul_flat",
     "matmul_gemv",
+    "matmul_paired",
     "matmul_tiled",
     "matmul_wleft",
 ]
@@ -74,6 +81,11 @@ WLEFT_TUNED: dict[tuple[int, int, int], dict[str, int]] = {
 """``matmul_wleft`` settings ``matmul`` uses for 2..16 rows, keyed by ``(compute capability major, K, N)``: the
 fastest of ``benchmarks/w4a16_sweep.py --m 16 --kinds wleft`` on an H200 (group 128, bf16) where they beat the
 defaults (one K tile loaded ahead, splits from ``_split_count``), which every other case keeps (o_proj's best)."""
+
+PAIRED_CONFIG = {"block_n": 256, "block_k": 64, "num_warps": 4}
+"""``matmul_paired`` launch: within 0.1 us of the fastest of 20 launches x 3 split counts at every SALA shape (one
+bf16 row, group 128) in ``benchmarks/w4a16_paired.py --sweep`` on an H200, with ``_PAIRED_MIN_TILES``."""
+_PAIRED_MIN_TILES = 4  # o_proj (K = 4096): 16 splits of 4 tiles, 6.8 us, against 32 of 2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
@@ -144,49 +156,10 @@ def _word_value(words, hi, MAGIC, J: tl.constexpr, BITS: tl.constexpr):
     return tl.fma(f, 1.0 / (1 << S), -(8388608.0 / (1 << S) + (1 << (BITS - 1))))
 
 
-@triton.jit
-def _k_slice(K, BLOCK_K: tl.constexpr):
-    """K tiles ``[start, end)`` of this program's split (axis 1 of the grid enumerates the splits)."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(k_tiles, tl.num_programs(1))
-    start = tl.program_id(1) * per
-    return start, tl.minimum(start + per, k_tiles)
-
-
-@triton.jit
-def _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym):
-    """Write ``acc`` (fp32 ``[BM, BN]``) to ``y``, summing the splits of this column tile first if split."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    n_split = tl.num_programs(1)
-    if n_split == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
-        # Every thread's partial is stored before one thread publishes the count (release, GPU scope).
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
-        if done == n_split - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, n_split):
-                total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels. Scale modes, fixed at compile time: GROUP_SIZE <= 0 means one group (scaled once at the end); a
 # multiple of BLOCK_K means one scale row per K tile; otherwise one scale row per word row (GROUP_SIZE is a
 # multiple of 32 / BITS, so the values of one word share a group).
-
-
-@triton.jit
-def _load_words(w_ptr, t, t_end, offs_r, offs_n, N, K, ROWS: tl.constexpr, PACK: tl.constexpr):
-    """Word tile ``t`` (``[ROWS, BLOCK_N]`` int32, zeros outside the matrix or past ``t_end``)."""
-    rows = t * ROWS + offs_r
-    mask = (rows < tl.minimum(K // PACK, t_end * ROWS))[:, None] & (offs_n < N)[None, :]
-    return tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
 
 
 @triton.jit
@@ -224,12 +197,12 @@ def _gemv_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_r = tl.arange(0, ROWS)
-    t_start, t_end = _k_slice(K, BLOCK_K)
+    t_start, t_end = k_slice(K, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    words = _load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+    words = load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
     for t in range(t_start, t_end):
         # Issue the next tile's loads before this tile's math.
-        nxt = _load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+        nxt = load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
         rows = t * ROWS + offs_r
         mask_r = rows < K // PACK
         hi = words >> 16
@@ -250,7 +223,7 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=0)
     if ONE_GROUP:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    _split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
+    split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
 
 
 @triton.autotune(
@@ -467,9 +440,9 @@ def _flat_kernel(
         else:
             acc = acc * s1[None, :]
     if BLOCK_M == 1:
-        _split_k_store(acc[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
+        split_k_store(acc[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
     else:
-        _split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+        split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
 
 
 @triton.jit
@@ -522,7 +495,7 @@ def _wleft_kernel(
     mask_m = offs_m < M
     offs_r = tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
-    start, end = _k_slice(K, BLOCK_K)
+    start, end = k_slice(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, 16), tl.float32)
     words = _load_words_nk(w_ptr, start, end, offs_r, offs_n, N, K, ROWS)
     nxt = _load_words_nk(w_ptr, start + 1, end, offs_r, offs_n, N, K, ROWS) if AHEAD == 2 else words
@@ -552,7 +525,7 @@ def _wleft_kernel(
         nxt = after
     if ONE_GROUP:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    _split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+    split_k_store(tl.trans(acc), y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
 
 
 @triton.jit
@@ -630,10 +603,13 @@ def _wleft_tuned(device: torch.device, k: int, n: int) -> dict[str, int]:
     return WLEFT_TUNED.get((_cuda_facts(device)[1], k, n), {})
 
 
-def _split_count(n_tiles: int, k_tiles: int, sms: int, split_k: int | None) -> int:
-    """Number of K splits with no empty split (the kernel recomputes the tiles per split from it)."""
+def _split_count(
+    n_tiles: int, k_tiles: int, sms: int, split_k: int | None, min_tiles: int = _MIN_TILES_PER_SPLIT
+) -> int:
+    """Number of K splits with no empty split (the kernel recomputes the tiles per split from it); by default
+    ``_DECODE_WAVES`` programs per SM where every split keeps at least ``min_tiles`` K tiles."""
     if split_k is None:
-        split_k = min(k_tiles // _MIN_TILES_PER_SPLIT, cdiv(_DECODE_WAVES * sms, n_tiles))
+        split_k = min(k_tiles // min_tiles, cdiv(_DECODE_WAVES * sms, n_tiles))
     split_k = max(1, min(int(split_k), k_tiles))
     return cdiv(k_tiles, cdiv(k_tiles, split_k))
 
@@ -737,6 +713,59 @@ def matmul_gemv(
         raise ValueError(f"the GEMV takes one activation row, got {x.shape[0]}")
     y = _output(out, 1, n, x)
     _split_k_run(_gemv_kernel, config, x, qweight, scales, y, split_k, n, k, _MAGIC, BITS=bits, GROUP_SIZE=gs)
+    return y
+
+
+def _paired_takes(x: Tensor, bits: int) -> bool:
+    """One fp16 or bf16 activation row and 4-bit codes: the cases ``matmul_paired`` runs."""
+    return bits == 4 and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and x.shape[0] == 1
+
+
+def matmul_paired(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    split_k: int | None = None,
+    block_n: int = PAIRED_CONFIG["block_n"],
+    block_k: int = PAIRED_CONFIG["block_k"],
+    num_warps: int = PAIRED_CONFIG["num_warps"],
+    emulate: bool = False,
+) -> Tensor:
+    """``x [1, K] @ W^T`` with the paired-fp16 GEMV (``paired_gemv``): 4-bit codes, an fp16 or bf16 activation
+    whose magnitude fits fp16.
+
+    ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``emulate`` runs
+    the interpreter's emulation of the paired operations on a GPU too, to check the PTX against it.
+    """
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    if not _paired_takes(x, bits):
+        raise ValueError(f"the paired GEMV takes one fp16/bf16 row and 4-bit codes, got {x.dtype} {list(x.shape)}")
+    if block_k not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_k must be 16, 32, 64, 128 or 256, got {block_k}")
+    y = _output(out, 1, n, x)
+    n_tiles = cdiv(n, block_n)
+    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k, _PAIRED_MIN_TILES)
+    paired_gemv_kernel[(n_tiles, splits)](
+        x,
+        qweight,
+        scales,
+        y,
+        _partials(x, splits, 1, n),
+        _counters(x.device, n_tiles),
+        n,
+        k,
+        GROUP_SIZE=gs,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BF16=x.dtype == torch.bfloat16,
+        ASM=not (_INTERPRET or emulate),
+        num_warps=num_warps,
+        num_stages=1,
+    )
     return y
 
 
@@ -942,6 +971,8 @@ def matmul(
     """``x [M, K] @ W^T`` on the path that suits ``M`` (see the module docstring)."""
     m = x.shape[0]
     if m == 1:
+        if _paired_takes(x, bits):
+            return matmul_paired(x, qweight, scales, bits, group_size, out=out)
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
         k = qweight.shape[0] * (32 // bits)

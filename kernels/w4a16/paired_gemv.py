@@ -1,0 +1,223 @@
+"""W4A16 GEMV (one activation row) on paired 16-bit math: two weights per instruction.
+
+GPTQ v1 packs input rows ``8 r .. 8 r + 7`` of a column into one int32 word, code ``j`` in bits ``4 j .. 4 j + 3``.
+Codes ``j`` and ``j + 4`` sit at the same offset in the two 16-bit halves, so one three-input logic op masks both
+into the mantissas of a pair of fp16 magic numbers (1024, whose mantissa step is 1): codes 0/4 read as
+``1024 + code``, codes 1/5 (4 bits up) as ``1024 + 16 code``, and codes 2/6 and 3/7 the same after one shift of the
+word by 8. One paired fused multiply-add turns each pair into ``(code - 8) / 32`` (exact in fp16), and four paired
+multiply-adds against the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` (fp16) form the word's two partial
+sums; both are widened to fp32, added, scaled by the group scale and accumulated in fp32: 17 instructions per
+word, about 2 per weight. The activation pairs are built once per thread and word row and serve every column the
+thread holds. In the sm_90 SASS of the main loop at the default launch (``PAIRED_CONFIG``) that comes to 3.7
+instructions per weight, against 5.1 for the fp32 GEMV (``benchmarks/sass_report.py``).
+
+Numerics: the activation is rounded to fp16 (exact for bf16 values between 2**-14 and 65504 in magnitude, and
+for fp16 activations), each word's two 4-term sums round to fp16 (relative 2**-11, below the output's own
+rounding), and everything after is fp32. The ``1/32`` keeps every 4-term sum within the activation's magnitude,
+so any activation that fits fp16 (|x| <= 65504) is safe; the result is multiplied by 32 at the end (exact).
+
+On a GPU the paired operations are PTX (``ASM``); under the Triton interpreter, which runs no PTX, the same
+operations are emulated per half with fp16 rounding after each multiply-add (fp32 intermediate), on the same
+packed words and pairs, so the CPU tests check the packing, pairing and scaling, and a GPU test holds the PTX to
+the emulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .split_k import k_slice, load_words, split_k_store
+
+__all__ = ["OUT_SCALE", "f16_pair", "paired_gemv_kernel", "word_dot"]
+
+_MAGIC16 = 0x64006400  # a pair of fp16 1024.0
+_LO_MASK = 0x000F000F  # codes j and j + 4 (j = 0, or 2 after >> 8), each at bit 0 of its half
+_HI_MASK = 0x00F000F0  # codes j and j + 4 (j = 1, or 3 after >> 8), each at bit 4 of its half
+_LO_MUL, _LO_ADD = 0x28002800, 0xD008D008  # (1024 + c) / 32 - 32.25 = (c - 8) / 32
+_HI_MUL, _HI_ADD = 0x18001800, 0xC080C080  # (1024 + 16 c) / 512 - 2.25 = (c - 8) / 32
+_S = {
+    name: value - (1 << 32) if value >= 1 << 31 else value
+    for name, value in (
+        ("magic", _MAGIC16),
+        ("lo_mul", _LO_MUL),
+        ("lo_add", _LO_ADD),
+        ("hi_mul", _HI_MUL),
+        ("hi_add", _HI_ADD),
+    )
+}
+C_MAGIC = tl.constexpr(_S["magic"])
+C_LO_MUL = tl.constexpr(_S["lo_mul"])
+C_LO_ADD = tl.constexpr(_S["lo_add"])
+C_HI_MUL = tl.constexpr(_S["hi_mul"])
+C_HI_ADD = tl.constexpr(_S["hi_add"])
+C_LO_MASK = tl.constexpr(_LO_MASK)
+C_HI_MASK = tl.constexpr(_HI_MASK)
+OUT_SCALE = tl.constexpr(32.0)
+"""The codes are used as ``(code - 8) / 32``: the accumulated sum is multiplied by this at the end."""
+
+_WORD_PTX = tl.constexpr("""{
+.reg .b32 q8, a0, a1, a2, a3, p;
+.reg .b16 l16, h16;
+.reg .f32 lf, hf;
+shr.u32 q8, $1, 8;
+lop3.b32 a0, $1, $8, $9, 0xEA;
+lop3.b32 a1, $1, $10, $9, 0xEA;
+lop3.b32 a2, q8, $8, $9, 0xEA;
+lop3.b32 a3, q8, $10, $9, 0xEA;
+fma.rn.f16x2 a0, a0, $11, $12;
+fma.rn.f16x2 a1, a1, $13, $14;
+fma.rn.f16x2 a2, a2, $11, $12;
+fma.rn.f16x2 a3, a3, $13, $14;
+mul.rn.f16x2 p, a0, $2;
+fma.rn.f16x2 p, a1, $3, p;
+fma.rn.f16x2 p, a2, $4, p;
+fma.rn.f16x2 p, a3, $5, p;
+mov.b32 {l16, h16}, p;
+cvt.f32.f16 lf, l16;
+cvt.f32.f16 hf, h16;
+add.f32 lf, lf, hf;
+fma.rn.f32 $0, lf, $6, $7;
+}""")
+_BF16_PAIR_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+shl.b32 lo, $1, 16;
+and.b32 hi, $1, 0xFFFF0000;
+cvt.rn.f16x2.f32 $0, hi, lo;
+}""")
+
+
+@triton.jit
+def _half(v, HI: tl.constexpr):
+    """One 16-bit half of int32 ``v`` as fp16 (widened to fp32)."""
+    bits = (v >> 16) if HI else v
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _join(lo, hi):
+    """fp32 ``lo`` and ``hi`` rounded to fp16 and packed into one int32 (``lo`` in the low half)."""
+    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (hi_bits << 16) | lo_bits
+
+
+@triton.jit
+def f16_pair(v, BF16: tl.constexpr, ASM: tl.constexpr):
+    """Two activations packed in int32 ``v`` (bf16 or fp16, the first in the low half) as an fp16 pair."""
+    if not BF16:
+        return v
+    if ASM:
+        return tl.inline_asm_elementwise(_BF16_PAIR_PTX, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        hi = (v & -65536).to(tl.float32, bitcast=True)
+        return _join(lo, hi)
+
+
+@triton.jit
+def _halves(a, b, HI: tl.constexpr):
+    """The low (``HI`` False) or high halves of int32 ``a`` and ``b`` joined: ``a``'s in the low half."""
+    if HI:
+        return ((a >> 16) & 0xFFFF) | (b & -65536)
+    else:
+        return (a & 0xFFFF) | (b << 16)
+
+
+@triton.jit
+def _fma2(a, b, c):
+    """Emulated paired fp16 multiply-add: per half, ``a * b + c`` (fp32) rounded to fp16."""
+    lo = _half(a, False) * _half(b, False) + _half(c, False)
+    hi = _half(a, True) * _half(b, True) + _half(c, True)
+    return _join(lo, hi)
+
+
+@triton.jit
+def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
+    """``acc + scale * sum_j (code_j - 8) / 32 * x[j]`` (fp32) for int32 words of eight 4-bit codes; ``x0..x3``
+    are the fp16 pairs ``(x[j], x[j + 4])`` for ``j = 0..3``, all tensors of one shape."""
+    lo_mul = tl.full(words.shape, C_LO_MUL, tl.int32)
+    lo_add = tl.full(words.shape, C_LO_ADD, tl.int32)
+    hi_mul = tl.full(words.shape, C_HI_MUL, tl.int32)
+    hi_add = tl.full(words.shape, C_HI_ADD, tl.int32)
+    if ASM:
+        lo_mask = tl.full(words.shape, C_LO_MASK, tl.int32)
+        hi_mask = tl.full(words.shape, C_HI_MASK, tl.int32)
+        magic = tl.full(words.shape, C_MAGIC, tl.int32)
+        return tl.inline_asm_elementwise(
+            _WORD_PTX,
+            "=f,r,r,r,r,r,f,f,r,r,r,r,r,r,r",
+            [words, x0, x1, x2, x3, scale, acc, lo_mask, magic, hi_mask, lo_mul, lo_add, hi_mul, hi_add],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
+        a0 = _fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
+        a1 = _fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
+        a2 = _fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
+        a3 = _fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
+        p = _fma2(a0, x0, tl.zeros(words.shape, tl.int32))
+        p = _fma2(a1, x1, p)
+        p = _fma2(a2, x2, p)
+        p = _fma2(a3, x3, p)
+        return (_half(p, False) + _half(p, True)) * scale + acc
+
+
+@triton.jit
+def paired_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    N,
+    K,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Split-K GEMV on paired fp16 math (see the module docstring); grid ``(cdiv(N, BLOCK_N), splits)``."""
+    ROWS: tl.constexpr = BLOCK_K // 8
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, ROWS)
+    t_start, t_end = k_slice(K, BLOCK_K)
+    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    words = load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, 8)
+    for t in range(t_start, t_end):
+        nxt = load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, 8)  # issued before this tile's math
+        rows = t * ROWS + offs_r
+        mask_r = rows < K // 8
+        # activations 8 r .. 8 r + 7 as four int32 pairs (2 r, 2 r + 1) .. (8 r + 6, 8 r + 7), then (j, j + 4)
+        xb = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * 4
+        v01 = f16_pair(tl.load(xb + 0, mask=mask_r, other=0), BF16, ASM)
+        v23 = f16_pair(tl.load(xb + 1, mask=mask_r, other=0), BF16, ASM)
+        v45 = f16_pair(tl.load(xb + 2, mask=mask_r, other=0), BF16, ASM)
+        v67 = f16_pair(tl.load(xb + 3, mask=mask_r, other=0), BF16, ASM)
+        shape: tl.constexpr = (ROWS, BLOCK_N)
+        p0 = tl.broadcast_to(_halves(v01, v45, False)[:, None], shape)
+        p1 = tl.broadcast_to(_halves(v01, v45, True)[:, None], shape)
+        p2 = tl.broadcast_to(_halves(v23, v67, False)[:, None], shape)
+        p3 = tl.broadcast_to(_halves(v23, v67, True)[:, None], shape)
+        if ONE_GROUP:
+            s = tl.full(shape, 1.0, tl.float32)
+        elif TILE_SCALE:
+            s1 = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
+            s = tl.broadcast_to(s1.to(tl.float32)[None, :], shape)
+        else:
+            g = rows * 8 // GROUP_SIZE
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+            s = s.to(tl.float32)
+        acc = word_dot(words, p0, p1, p2, p3, s, acc, ASM)
+        words = nxt
+    y = tl.sum(acc, axis=0) * OUT_SCALE
+    if ONE_GROUP:
+        y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)

@@ -1,0 +1,132 @@
+"""The paired-fp16 W4A16 GEMV (one activation row): against the PyTorch reference under the Triton interpreter
+(which runs the emulation of the paired operations), exactly where every fp16 step is exact, at activations near
+the fp16 limit, and on a GPU its PTX against that emulation at SALA shapes (CUDA only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
+
+GROUP_SIZES = (-1, 32, 64, 128)
+# Each word's two 4-term sums take four fp16 roundings of at most 2**-11 of the running absolute sum (2**-9 in
+# all), plus the output's rounding to nearest (2**-11 fp16, 2**-9 bf16): bounds relative to |x| @ |W|^T.
+TOL = {torch.float16: 2**-9 + 2**-11, torch.bfloat16: 2**-9 + 2**-9}
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def _words(gen: torch.Generator, k: int, n: int) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+
+
+def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gs: int, what: str):
+    ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs).double()
+    w = dequantize(qweight, scales.float(), 4, gs).double()
+    bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t())
+    err = (y.double() - ref).abs()
+    bad = ~(err <= bound)
+    worst = float((err / bound).nan_to_num(1e9).max())
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_paired_matches_reference(group_size: int, dtype: torch.dtype) -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    # (K, N, block_n, block_k, split_k): K = 416 is 6.5 tiles of 64 (a partial last tile, splits of 3, 3 and 1
+    # tiles), N = 80 and 96 partial column tiles; groups of 32 below a tile of 64 take one scale per word row
+    cases = [(416, 80, 64, 64, 3), (256, 64, 64, 16, None), (512, 96, 32, 32, 2), (384, 192, 256, 64, 1)]
+    for k, n, block_n, block_k, split_k in cases:
+        seed = _seed()
+        gen = torch.Generator().manual_seed(seed)
+        groups = 1 if group_size == -1 else -(-k // group_size)
+        qweight = _words(gen, k, n)
+        scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.002).to(torch.float16)
+        x = torch.randn(1, k, generator=gen).to(dtype)
+        out = torch.full((1, n), float("nan"), dtype=dtype)
+        y = tk.matmul_paired(
+            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k
+        )
+        assert y is out
+        _bound_check(y, x, qweight, scales, group_size, f"seed={seed} K={k} N={n} gs={group_size} {dtype}")
+        assert not bool(tk._counters(x.device, 1).any()), "split-K counters were not reset"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype) -> None:
+    """16 activations of +-1 at random places (the rest 0) and scales of 1 or 2: every fp16 product and 4-term
+    sum and the fp32 accumulation are exact and the outputs are integers of magnitude <= 16 * 8 * 2 = 256, which
+    both output dtypes hold, so the output must equal the reference exactly; a code paired with the wrong
+    activation, a wrong half or a wrong constant shows up as a mismatch."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, n, gs = 256, 96, 64
+    qweight = _words(gen, k, n)
+    scales = (2.0 ** torch.randint(0, 2, (k // gs, n), generator=gen)).to(torch.float16)
+    x = torch.zeros(1, k)
+    x[0, torch.randperm(k, generator=gen)[:16]] = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
+    x = x.to(dtype)
+    for block_k, split_k in ((32, 2), (64, None)):
+        y = tk.matmul_paired(x, qweight, scales, 4, gs, block_n=32, block_k=block_k, split_k=split_k)
+        ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs)
+        assert torch.equal(y.float(), ref), f"seed={seed}: {int((y.float() != ref).sum())} outputs differ"
+
+
+def test_paired_activations_near_the_fp16_limit() -> None:
+    """The codes are scaled by 1/32, so each 4-term sum stays within the largest activation: fp16 activations up
+    to 60000 give finite results within the bound."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 256, 64
+    qweight = torch.full((k // 8, n), 0, dtype=torch.int32)  # every code 0: weight -8 * scale, the largest magnitude
+    scales = torch.full((2, n), 2.0**-13, dtype=torch.float16)  # outputs about -12300, inside fp16
+    x = (torch.rand(1, k, generator=gen) * 1000 + 59000).to(torch.float16)  # one sign: no cancellation
+    y = tk.matmul_paired(x, qweight, scales, 4, 128, block_n=64, block_k=64)
+    assert bool(torch.isfinite(y).all())
+    _bound_check(y, x, qweight, scales, 128, f"seed={seed} large activations")
+
+
+def test_paired_refuses_what_it_cannot_run() -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(0)
+    qweight, scales = _words(gen, 256, 64), torch.ones(2, 64, dtype=torch.float16)
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one fp16/bf16 row and 4-bit codes"):
+        tk.matmul_paired(x.float(), qweight, scales)
+    with pytest.raises(ValueError, match="one fp16/bf16 row and 4-bit codes"):
+        tk.matmul_paired(torch.zeros(2, 256, dtype=torch.float16), qweight, scales)
+    q8, s8 = torch.zeros(64, 64, dtype=torch.int32), torch.ones(2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one fp16/bf16 row and 4-bit codes"):
+        tk.matmul_paired(x, q8, s8, 8, 128)
+    with pytest.raises(ValueError, match="block_k must be"):
+        tk.matmul_paired(x, qweight, scales, block_k=48)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
+def test_gpu_paired_ptx_equals_emulation(k: int, n: int, dtype: torch.dtype) -> None:
+    """The PTX path against the emulation of the same operations on the same GPU (bit-identical), and both within
+    the bound of the fp32 reference."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    qweight = _words(gen, k, n).cuda()
+    scales = (torch.rand(k // 128, n, generator=gen) * 0.02 + 0.002).to(torch.float16).cuda()
+    x = torch.randn(1, k, generator=gen).to(dtype).cuda()
+    got = tk.matmul(x, qweight, scales, 4, 128)
+    emulated = tk.matmul_paired(x, qweight, scales, 4, 128, emulate=True)
+    assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
+    _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, f"seed={seed} K={k} N={n} {dtype}")
