@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .split_k import k_slice, load_words, split_k_store
+from .split_k import k_slice, load_words, split_k_store, tile_scales
 
 __all__ = ["OUT_SCALE", "f16_pair", "paired_gemv_kernel", "word_dot"]
 
@@ -184,7 +184,6 @@ def paired_gemv_kernel(
     """Split-K GEMV on paired fp16 math (see the module docstring); grid ``(cdiv(N, BLOCK_N), splits)``."""
     ROWS: tl.constexpr = BLOCK_K // 8
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
-    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_r = tl.arange(0, ROWS)
@@ -208,13 +207,8 @@ def paired_gemv_kernel(
         p3 = tl.broadcast_to(_halves(v23, v67, True)[:, None], shape)
         if ONE_GROUP:
             s = tl.full(shape, 1.0, tl.float32)
-        elif TILE_SCALE:
-            s1 = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
-            s = tl.broadcast_to(s1.to(tl.float32)[None, :], shape)
         else:
-            g = rows * 8 // GROUP_SIZE
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            s = s.to(tl.float32)
+            s = tl.broadcast_to(tile_scales(s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE, BLOCK_K, 8), shape)
         acc = word_dot(words, p0, p1, p2, p3, s, acc, ASM)
         words = nxt
     y = tl.sum(acc, axis=0) * OUT_SCALE

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["k_slice", "load_words", "split_k_store"]
+__all__ = ["k_slice", "load_words", "split_k_store", "tile_scales"]
 
 
 @triton.jit
@@ -51,3 +51,19 @@ def load_words(w_ptr, t, t_end, offs_r, offs_n, N, K, ROWS: tl.constexpr, PACK: 
     rows = t * ROWS + offs_r
     mask = (rows < tl.minimum(K // PACK, t_end * ROWS))[:, None] & (offs_n < N)[None, :]
     return tl.load(w_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def tile_scales(
+    s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr
+):
+    """fp32 group scales of K tile ``t`` (groups of ``GROUP_SIZE > 0``): ``[1, BLOCK_N]`` when the groups cover
+    whole tiles, else one row per word row ``rows`` (``[ROWS, BLOCK_N]``; a word's ``PACK`` values share a
+    group)."""
+    if GROUP_SIZE % BLOCK_K == 0:
+        s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
+        return s.to(tl.float32)[None, :]
+    else:
+        g = rows * PACK // GROUP_SIZE
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        return s.to(tl.float32)

@@ -51,7 +51,7 @@ from torch import Tensor
 from ..host import cdiv, next_power_of_2
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
-from .split_k import k_slice, load_words, split_k_store
+from .split_k import k_slice, load_words, split_k_store, tile_scales
 
 __all__ = [
     "DEQUANT_MIN_M",
@@ -192,7 +192,6 @@ def _gemv_kernel(
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PACK
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
-    TILE_SCALE: tl.constexpr = (not ONE_GROUP) and (GROUP_SIZE % BLOCK_K == 0)
 
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -212,13 +211,8 @@ def _gemv_kernel(
             part += xj[:, None] * _word_value(words, hi, MAGIC, j, BITS)
         if ONE_GROUP:
             acc = part
-        elif TILE_SCALE:
-            s = tl.load(s_ptr + (t * BLOCK_K // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0)
-            acc += part * s.to(tl.float32)[None, :]
         else:
-            g = rows * PACK // GROUP_SIZE
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            acc += part * s.to(tl.float32)
+            acc += part * tile_scales(s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE, BLOCK_K, PACK)
         words = nxt
     y = tl.sum(acc, axis=0)
     if ONE_GROUP:
