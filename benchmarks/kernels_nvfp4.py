@@ -85,6 +85,22 @@ def _candidates(m: int, k: int, n: int) -> list[tk.NVFP4Config]:
     splits = sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2})
     cands: list[tk.NVFP4Config] = []
     if m == 1:
+        paired = tk.default_config(m, n, k, DEVICE, torch.bfloat16)
+        for bn, bk, warps in (
+            (128, 128, 4),
+            (256, 128, 4),
+            (128, 64, 2),
+            (64, 256, 2),
+            (128, 256, 4),
+            (256, 256, 8),
+            (64, 512, 4),
+            (128, 512, 8),
+            (32, 512, 2),
+        ):
+            cands += [
+                tk.NVFP4Config("paired", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1)
+                for s in sorted({max(1, paired.split_k // 2), paired.split_k, paired.split_k * 2})
+            ]
         for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (32, 128, 4)):
             cands += [
                 tk.NVFP4Config("gemv", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1) for s in splits
@@ -142,7 +158,12 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
             return None, None, f"{type(e).__name__}: {e}"[:300]
 
     row["auto_path"] = "dequant" if m >= DEQUANT_MIN_M else "triton"
-    row["default_config"] = dataclasses.asdict(tk.default_config(m, n, k, DEVICE))
+    row["default_config"] = dataclasses.asdict(tk.default_config(m, n, k, DEVICE, x.dtype))
+    if m == 1:  # the tensor-core kernel the paired GEMV replaced for one row
+        dot = tk.default_config(m, n, k, DEVICE)
+        row["dot_us"] = _time_us([lambda c=c: tk.nvfp4_matmul_triton(x, *c, config=dot) for c in copies])
+        y = tk.nvfp4_matmul_triton(x, *copies[0], config=dot)
+        row["dot_max_rel_err"] = float((y.float() - ref).abs().max()) / scale
     for backend in ("triton", "dequant") if m >= 128 else ("triton",):
         us, err, fail = run(backend)
         row[f"{backend}_us"], row[f"{backend}_max_rel_err"] = us, err
@@ -216,10 +237,12 @@ def main() -> None:
         k, n = SHAPES[name]
         for m in (int(v) for v in args.ms.split(",")):
             rows.append(_bench_case(name, k, n, m, args.sweep))
-            r = rows[-1]
+            r, sweep = rows[-1], args.sweep
             print(
                 f"{name} M={m}: cuBLAS {_fmt(r['cublas_us'])} us, ours {_fmt(r['ours_us'])} us "
-                f"({_fmt(r['speedup'], '.2f')}x)",
+                f"({_fmt(r['speedup'], '.2f')}x)"
+                + (f", tensor-core kernel {_fmt(r['dot_us'])} us" if "dot_us" in r else "")
+                + (f", sweep best {_fmt(r.get('sweep_best_us'))} us {r.get('sweep_best_config')}" if sweep else ""),
                 flush=True,
             )
     _print_table(rows)

@@ -50,7 +50,9 @@ import triton
 import triton.language as tl
 
 from ..host import cdiv
+from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
+from .split_k import finish, k_range
 
 __all__ = [
     "GEMV_MAX_M",
@@ -64,12 +66,23 @@ GEMV_MAX_M = 0
 """Largest M for which ``default_config`` picks the CUDA-core GEMV kernel (0: the tensor-core kernel for every M;
 its loop compiles to fewer instructions per weight for sm_90)."""
 
+PAIRED_TILE = (128, 256)
+"""``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row: within
+8% of the fastest of 9 tiles x 3 split counts at every SALA shape in ``benchmarks/kernels_nvfp4.py --ms 1
+--sweep`` on an H200 (gate_up 38.0 us, best 37.7; 128 x 128 and 256 x 64 tiles 15-25% slower on gate_up, down and
+qkv: 256 inputs make 128-byte runs of each row)."""
+PAIRED_SPLITS: dict[tuple[int, int, int], int] = {(9, 4096, 32768): 4}
+"""Split-K of the paired GEMV keyed by ``(compute capability major, K, N)`` where the sweep beat the default split
+(gate_up: 38.0 us at 4 splits against 42.1 at 2); elsewhere the default (at most 4 programs per SM)."""
+
 _TILE_SHIFT: tl.constexpr = tl.constexpr(2.0**7)
 """The half tile holds ``W / (weight_scale_2 * _TILE_SHIFT)``."""
 _FP16_SCALE_UP: tl.constexpr = tl.constexpr(2.0**7)
 _BF16_SCALE_UP: tl.constexpr = tl.constexpr(2.0**119)
 _POISON_WORKSPACE = False
 """Fill the split-K workspace with NaN before each launch (for tests)."""
+_EMULATE_PAIRED = False
+"""Run the paired GEMV's interpreter emulation of its fp16 pair operations on the GPU too (for tests)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,46 +172,6 @@ def _weight_tile(
     return tl.reshape(t, (BLOCK_N, BLOCK_K))
 
 
-@triton.jit
-def _k_range(pid_k, split_k, K, BLOCK_K: tl.constexpr):
-    """First and one-past-last K tile of split ``pid_k`` of ``split_k``."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, split_k)
-    k_first = pid_k * per_split
-    k_last = tl.minimum(k_first + per_split, k_tiles)
-    return k_first, k_last
-
-
-@triton.jit
-def _finish(
-    acc,
-    gscale,
-    out_ptrs,
-    ws_ptrs,
-    out_mask,
-    cnt_ptr,
-    tile,
-    pid_k,
-    ws_split_stride,
-    split_k,
-    SPLIT: tl.constexpr,
-):
-    """Write ``acc * gscale`` (not SPLIT) or do the split-K fixup: store the partial, count arrivals, and let the
-    last of the ``split_k`` splits sum all partials in split order and write the output."""
-    if not SPLIT:
-        tl.store(out_ptrs, (acc * gscale).to(out_ptrs.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(ws_ptrs + pid_k * ws_split_stride, acc, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(split_k):
-                total += tl.load(ws_ptrs + s * ws_split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, (total * gscale).to(out_ptrs.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,7 +218,7 @@ def _nvfp4_dot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     split_k = tl.num_programs(1)
-    k_first, k_last = _k_range(pid_k, split_k, K, BLOCK_K)
+    k_first, k_last = k_range(pid_k, split_k, K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_first, k_last):
         k0 = kt * BLOCK_K
@@ -265,7 +238,7 @@ def _nvfp4_dot_kernel(
     out_mask = (offs_n[:, None] < N) & m_ok[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-    _finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, pid, pid_k, M * N, split_k, SPLIT)
+    finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, pid, pid_k, M * N, split_k, SPLIT)
 
 
 @triton.jit
@@ -296,7 +269,7 @@ def _nvfp4_gemv_kernel(
     m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     split_k = tl.num_programs(1)
-    k_first, k_last = _k_range(pid_k, split_k, K, BLOCK_K)
+    k_first, k_last = k_range(pid_k, split_k, K, BLOCK_K)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kt in range(k_first, k_last):
         k0 = kt * BLOCK_K
@@ -314,7 +287,7 @@ def _nvfp4_gemv_kernel(
     out_ptrs = out_ptr + m * stride_om + offs_n
     ws_ptrs = ws_ptr + m * N + offs_n
     tile = m * tl.num_programs(0) + pid_n
-    _finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, tile, pid_k, M * N, split_k, SPLIT)
+    finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, tile, pid_k, M * N, split_k, SPLIT)
 
 
 @triton.jit
@@ -354,7 +327,8 @@ class NVFP4Config:
     """Launch configuration of ``nvfp4_matmul_triton``."""
 
     kernel: str = "dot"
-    """``"dot"`` (tensor cores, any M) or ``"gemv"`` (CUDA cores, one activation row per program)."""
+    """``"dot"`` (tensor cores, any M), ``"gemv"`` (CUDA cores, one activation row per program) or ``"paired"``
+    (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16 activation row)."""
     block_m: int = 16
     """Activation rows per tile (``"dot"`` only; >= 16)."""
     block_n: int = 64
@@ -369,8 +343,8 @@ class NVFP4Config:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("dot", "gemv"):
-            raise ValueError(f"kernel must be 'dot' or 'gemv', got {self.kernel!r}")
+        if self.kernel not in ("dot", "gemv", "paired"):
+            raise ValueError(f"kernel must be 'dot', 'gemv' or 'paired', got {self.kernel!r}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -383,6 +357,12 @@ class NVFP4Config:
 def _sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    """Compute capability major of a CUDA device."""
+    return torch.cuda.get_device_properties(device_index).major
 
 
 def _programs_target(device: torch.device) -> int:
@@ -400,8 +380,13 @@ def _pick_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
     return split
 
 
-def default_config(m: int, n: int, k: int, device: torch.device | str = "cuda") -> NVFP4Config:
-    """Launch configuration used when none is given.
+def default_config(
+    m: int, n: int, k: int, device: torch.device | str = "cuda", dtype: torch.dtype | None = None
+) -> NVFP4Config:
+    """Launch configuration used when none is given (``dtype``: the activations').
+
+    One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (128 rows x 256 inputs), 4 warps, split-K up to 4
+    programs per SM (``PAIRED_SPLITS`` where tuned).
 
     Decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
     3.6) to about 5 instructions per weight with 92 registers, so 5 programs share an SM and their loads
@@ -411,6 +396,13 @@ def default_config(m: int, n: int, k: int, device: torch.device | str = "cuda") 
     """
     dev = torch.device(device)
     sms = _programs_target(dev)
+    if m == 1 and dtype in (torch.float16, torch.bfloat16):
+        bn, bk = PAIRED_TILE
+        split = _pick_split(cdiv(n, bn), cdiv(k, bk), 4 * sms, 1)
+        if dev.type == "cuda":
+            major = _capability_major(dev.index if dev.index is not None else torch.cuda.current_device())
+            split = PAIRED_SPLITS.get((major, k, n), split)
+        return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
     if m <= GEMV_MAX_M:
         bn, bk = 32, 256
         split = _pick_split(m * cdiv(n, bn), cdiv(k, bk), 4 * sms, 2)
@@ -496,7 +488,7 @@ def nvfp4_matmul_triton(
         return out
     if m * k >= 2**31 or m * n >= 2**31:
         raise ValueError("the NVFP4 kernels use 32-bit offsets; the activations are too large")
-    cfg = config or default_config(m, n, k, x.device)
+    cfg = config or default_config(m, n, k, x.device, x.dtype)
     out2 = out.view(m, n)
     split = cfg.split_k
     if split > 1:
@@ -508,7 +500,16 @@ def nvfp4_matmul_triton(
     else:
         ws = out2
     bf16 = x.dtype == torch.bfloat16
-    if cfg.kernel == "gemv":
+    if cfg.kernel == "paired":
+        if m != 1 or x.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the paired GEMV takes one fp16/bf16 activation row, got {m} rows of {x.dtype}")
+        cnt = _counters(x.device, cdiv(n, cfg.block_n)) if split > 1 else gs
+        nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](
+            x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
+            BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
+            EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    elif cfg.kernel == "gemv":
         if m > 65535:
             raise ValueError(f"the gemv kernel takes at most 65535 rows, got {m}")
         grid = (cdiv(n, cfg.block_n), split, m)

@@ -27,9 +27,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves
 from .split_k import k_slice, load_words, split_k_store, tile_scales
 
-__all__ = ["OUT_SCALE", "f16_pair", "paired_gemv_kernel", "word_dot"]
+__all__ = ["OUT_SCALE", "paired_gemv_kernel", "word_dot"]
 
 _MAGIC16 = 0x64006400  # a pair of fp16 1024.0
 _LO_MASK = 0x000F000F  # codes j and j + 4 (j = 0, or 2 after >> 8), each at bit 0 of its half
@@ -56,7 +57,8 @@ C_HI_MASK = tl.constexpr(_HI_MASK)
 OUT_SCALE = tl.constexpr(32.0)
 """The codes are used as ``(code - 8) / 32``: the accumulated sum is multiplied by this at the end."""
 
-_WORD_PTX = tl.constexpr("""{
+_WORD_PTX = tl.constexpr(
+    """{
 .reg .b32 q8, a0, a1, a2, a3, p;
 .reg .b16 l16, h16;
 .reg .f32 lf, hf;
@@ -69,67 +71,11 @@ fma.rn.f16x2 a0, a0, $11, $12;
 fma.rn.f16x2 a1, a1, $13, $14;
 fma.rn.f16x2 a2, a2, $11, $12;
 fma.rn.f16x2 a3, a3, $13, $14;
-mul.rn.f16x2 p, a0, $2;
-fma.rn.f16x2 p, a1, $3, p;
-fma.rn.f16x2 p, a2, $4, p;
-fma.rn.f16x2 p, a3, $5, p;
-mov.b32 {l16, h16}, p;
-cvt.f32.f16 lf, l16;
-cvt.f32.f16 hf, h16;
-add.f32 lf, lf, hf;
-fma.rn.f32 $0, lf, $6, $7;
-}""")
-_BF16_PAIR_PTX = tl.constexpr("""{
-.reg .b32 lo, hi;
-shl.b32 lo, $1, 16;
-and.b32 hi, $1, 0xFFFF0000;
-cvt.rn.f16x2.f32 $0, hi, lo;
-}""")
-
-
-@triton.jit
-def _half(v, HI: tl.constexpr):
-    """One 16-bit half of int32 ``v`` as fp16 (widened to fp32)."""
-    bits = (v >> 16) if HI else v
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _join(lo, hi):
-    """fp32 ``lo`` and ``hi`` rounded to fp16 and packed into one int32 (``lo`` in the low half)."""
-    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return (hi_bits << 16) | lo_bits
-
-
-@triton.jit
-def f16_pair(v, BF16: tl.constexpr, ASM: tl.constexpr):
-    """Two activations packed in int32 ``v`` (bf16 or fp16, the first in the low half) as an fp16 pair."""
-    if not BF16:
-        return v
-    if ASM:
-        return tl.inline_asm_elementwise(_BF16_PAIR_PTX, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        lo = (v << 16).to(tl.float32, bitcast=True)
-        hi = (v & -65536).to(tl.float32, bitcast=True)
-        return _join(lo, hi)
-
-
-@triton.jit
-def _halves(a, b, HI: tl.constexpr):
-    """The low (``HI`` False) or high halves of int32 ``a`` and ``b`` joined: ``a``'s in the low half."""
-    if HI:
-        return ((a >> 16) & 0xFFFF) | (b & -65536)
-    else:
-        return (a & 0xFFFF) | (b << 16)
-
-
-@triton.jit
-def _fma2(a, b, c):
-    """Emulated paired fp16 multiply-add: per half, ``a * b + c`` (fp32) rounded to fp16."""
-    lo = _half(a, False) * _half(b, False) + _half(c, False)
-    hi = _half(a, True) * _half(b, True) + _half(c, True)
-    return _join(lo, hi)
+"""
+    + DOT4_PTX
+    + """fma.rn.f32 $0, lf, $6, $7;
+}"""
+)
 
 
 @triton.jit
@@ -154,15 +100,15 @@ def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
         )
     else:
         q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
-        a0 = _fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
-        a1 = _fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
-        a2 = _fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
-        a3 = _fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
-        p = _fma2(a0, x0, tl.zeros(words.shape, tl.int32))
-        p = _fma2(a1, x1, p)
-        p = _fma2(a2, x2, p)
-        p = _fma2(a3, x3, p)
-        return (_half(p, False) + _half(p, True)) * scale + acc
+        a0 = emulated_fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
+        a1 = emulated_fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
+        a2 = emulated_fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
+        a3 = emulated_fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
+        p = emulated_fma2(a0, x0, tl.zeros(words.shape, tl.int32))
+        p = emulated_fma2(a1, x1, p)
+        p = emulated_fma2(a2, x2, p)
+        p = emulated_fma2(a3, x3, p)
+        return (half(p, False) + half(p, True)) * scale + acc
 
 
 @triton.jit
@@ -201,10 +147,10 @@ def paired_gemv_kernel(
         v45 = f16_pair(tl.load(xb + 2, mask=mask_r, other=0), BF16, ASM)
         v67 = f16_pair(tl.load(xb + 3, mask=mask_r, other=0), BF16, ASM)
         shape: tl.constexpr = (ROWS, BLOCK_N)
-        p0 = tl.broadcast_to(_halves(v01, v45, False)[:, None], shape)
-        p1 = tl.broadcast_to(_halves(v01, v45, True)[:, None], shape)
-        p2 = tl.broadcast_to(_halves(v23, v67, False)[:, None], shape)
-        p3 = tl.broadcast_to(_halves(v23, v67, True)[:, None], shape)
+        p0 = tl.broadcast_to(halves(v01, v45, False)[:, None], shape)
+        p1 = tl.broadcast_to(halves(v01, v45, True)[:, None], shape)
+        p2 = tl.broadcast_to(halves(v23, v67, False)[:, None], shape)
+        p3 = tl.broadcast_to(halves(v23, v67, True)[:, None], shape)
         if ONE_GROUP:
             s = tl.full(shape, 1.0, tl.float32)
         else:

@@ -1,0 +1,80 @@
+"""Paired fp16 arithmetic for the one-row weight-only GEMVs: two 16-bit values in one int32 register, operated on
+by one ``f16x2`` instruction on a GPU.
+
+Triton has no ``f16x2`` type, so the pairs travel as int32 tensors and the paired operations are inline PTX. The
+Triton interpreter runs no PTX: there every paired operation is emulated per half (fp32 arithmetic on the two
+fp16 halves, rounded to fp16 after each operation), on the same int32 pairs, so the CPU tests exercise the
+packing, the pairing and the constants, and a GPU test holds the PTX to the emulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["DOT4_PTX", "emulated_fma2", "f16_pair", "half", "halves", "join"]
+
+DOT4_PTX = """mul.rn.f16x2 p, a0, $2;
+fma.rn.f16x2 p, a1, $3, p;
+fma.rn.f16x2 p, a2, $4, p;
+fma.rn.f16x2 p, a3, $5, p;
+mov.b32 {l16, h16}, p;
+cvt.f32.f16 lf, l16;
+cvt.f32.f16 hf, h16;
+add.f32 lf, lf, hf;
+"""
+"""PTX of a word's dot product: the paired products of the weight pairs ``a0..a3`` with the activation pairs in
+operands ``$2..$5`` summed into pair ``p``, then its two halves widened and added into fp32 ``lf``. The caller's
+block declares ``.reg .b32 a0, a1, a2, a3, p``, ``.reg .b16 l16, h16`` and ``.reg .f32 lf, hf``."""
+
+_BF16_PAIR_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+shl.b32 lo, $1, 16;
+and.b32 hi, $1, 0xFFFF0000;
+cvt.rn.f16x2.f32 $0, hi, lo;
+}""")
+
+
+@triton.jit
+def half(v, HI: tl.constexpr):
+    """One 16-bit half of int32 ``v`` as fp16 (widened to fp32)."""
+    bits = (v >> 16) if HI else v
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def join(lo, hi):
+    """fp32 ``lo`` and ``hi`` rounded to fp16 and packed into one int32 (``lo`` in the low half)."""
+    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (hi_bits << 16) | lo_bits
+
+
+@triton.jit
+def f16_pair(v, BF16: tl.constexpr, ASM: tl.constexpr):
+    """Two activations packed in int32 ``v`` (bf16 or fp16, the first in the low half) as an fp16 pair."""
+    if not BF16:
+        return v
+    if ASM:
+        return tl.inline_asm_elementwise(_BF16_PAIR_PTX, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        hi = (v & -65536).to(tl.float32, bitcast=True)
+        return join(lo, hi)
+
+
+@triton.jit
+def halves(a, b, HI: tl.constexpr):
+    """The low (``HI`` False) or high halves of int32 ``a`` and ``b`` joined: ``a``'s in the low half."""
+    if HI:
+        return ((a >> 16) & 0xFFFF) | (b & -65536)
+    else:
+        return (a & 0xFFFF) | (b << 16)
+
+
+@triton.jit
+def emulated_fma2(a, b, c):
+    """Emulated paired fp16 multiply-add: per half, ``a * b + c`` (fp32) rounded to fp16."""
+    lo = half(a, False) * half(b, False) + half(c, False)
+    hi = half(a, True) * half(b, True) + half(c, True)
+    return join(lo, hi)

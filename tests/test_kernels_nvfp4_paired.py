@@ -1,0 +1,180 @@
+"""The NVFP4 paired-fp16 GEMV (one activation row): against the PyTorch reference under the Triton interpreter
+(which runs the emulation of the paired operations), exactly where every fp16 step is exact, NaN scales, the
+choice of kernel, and on a GPU its PTX against that emulation at SALA shapes (CUDA only)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from salaquant.kernels.nvfp4 import dequantize, nvfp4_matmul_reference
+
+from salaquant.nvfp4.numerics import quantize_nvfp4
+
+CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(
+    not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+# Each word's two 4-term sums take four fp16 roundings of at most 2**-11 of the running absolute sum (2**-9 in
+# all), plus the output's rounding to nearest (2**-11 fp16, 2**-9 bf16): bounds relative to |x| @ |W|^T.
+TOL = {torch.float16: 2**-9 + 2**-11, torch.bfloat16: 2**-9 + 2**-9}
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def _quantized(gen: torch.Generator, n: int, k: int):
+    q = quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.05)
+    return q.weight, q.weight_scale, q.weight_scale_2
+
+
+def _bound_check(y: torch.Tensor, x: torch.Tensor, weight, scale, s2, slack: float, what: str) -> None:
+    """``|y - ref| <= TOL * (|x| @ |W|^T) + slack`` elementwise; NaN fails."""
+    w = dequantize(weight, scale, s2).double()
+    ref = x.double() @ w.t()
+    bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t()) + slack
+    err = (y.double() - ref).abs()
+    bad = ~(err <= bound)
+    worst = float((err / bound).nan_to_num(1e9).max())
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+
+
+@pytest.fixture
+def tk(monkeypatch: pytest.MonkeyPatch):
+    """The Triton kernel module with the split-K workspace poisoned with NaN before every launch."""
+    from salaquant.kernels.nvfp4 import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_POISON_WORKSPACE", True)
+    return triton_kernels
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paired_matches_reference(tk, dtype: torch.dtype) -> None:
+    # (N, K, block_n, block_k, split_k): K = 416 is 6.5 tiles of 64 (a partial last tile, splits of 3, 3 and 1
+    # tiles), N = 80 a partial row tile, 256 x 512 even tiles (the unmasked loads)
+    cases = [(80, 416, 64, 64, 3), (96, 256, 32, 32, 1), (256, 512, 128, 64, 2), (64, 128, 64, 16, 4)]
+    for n, k, block_n, block_k, split_k in cases:
+        seed = _seed()
+        gen = torch.Generator().manual_seed(seed)
+        weight, scale, s2 = _quantized(gen, n, k)
+        x = torch.randn(1, k, generator=gen).to(dtype)
+        cfg = tk.NVFP4Config("paired", block_n=block_n, block_k=block_k, split_k=split_k, num_stages=1)
+        out = torch.full((1, n), float("nan"), dtype=dtype)
+        y = tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg, out=out)
+        assert y is out
+        _bound_check(y, x, weight, scale, s2, 0.0, f"seed={seed} N={n} K={k} {cfg}")
+
+
+@needs_triton
+def test_paired_every_code_and_scale(tk) -> None:
+    """Uniformly random bytes: every code, subnormal and negative scales. Products below fp16's normal range
+    keep an absolute error of at most 2**-25 (in units of ``2**-14`` times the global scale) per operation: the
+    bound gets that slack for the K / 4 word halves' four operations each."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 48, 96
+    weight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int64).to(torch.uint8)
+    scale = torch.randint(0, 256, (n, k // 16), generator=gen, dtype=torch.int64).to(torch.uint8)
+    scale = torch.where((scale & 0x7F) == 0x7F, scale - 1, scale).view(torch.float8_e4m3fn)
+    s2 = torch.tensor(0.01)
+    x = torch.randn(1, k, generator=gen).to(torch.float16)
+    cfg = tk.NVFP4Config("paired", block_n=16, block_k=32, split_k=2, num_stages=1)
+    y = tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
+    slack = k * 2**-25 * 2**14 * 0.01 * float(x.float().abs().max() + 1)
+    _bound_check(y, x, weight, scale, s2, slack, f"seed={seed}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paired_exact_where_fp16_is_exact(tk, dtype: torch.dtype) -> None:
+    """8 activations of +-1 (the rest 0), scales 1 or 2, global scale 1: every fp16 product (a multiple of 2**-15)
+    and 4-term sum is exact, the outputs are multiples of 1/2 below 96 that both dtypes hold, so the output must
+    equal the reference exactly; a code paired with the wrong activation or scale, or a wrong sign or magnitude
+    bit, shows up as a mismatch."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 64, 256
+    weight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int64).to(torch.uint8)
+    scale = torch.where(torch.rand(n, k // 16, generator=gen) < 0.5, 0x38, 0x40).to(torch.uint8)  # E4M3 1.0 / 2.0
+    x = torch.zeros(1, k)
+    x[0, torch.randperm(k, generator=gen)[:8]] = torch.randint(0, 2, (8,), generator=gen).float() * 2 - 1
+    x = x.to(dtype)
+    for block_k, split_k in ((32, 2), (64, 1), (128, 3)):
+        cfg = tk.NVFP4Config("paired", block_n=32, block_k=block_k, split_k=split_k, num_stages=1)
+        y = tk.nvfp4_matmul_triton(x, weight, scale, 1.0, config=cfg)
+        ref = nvfp4_matmul_reference(x.float(), weight, scale, 1.0)
+        assert torch.equal(y.float(), ref), f"seed={seed} {cfg}: {int((y.float() != ref).sum())} outputs differ"
+
+
+@needs_triton
+def test_paired_nan_scale_gives_nan(tk) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, scale, s2 = _quantized(gen, 32, 64)
+    scale = scale.view(torch.uint8).clone()
+    scale[5, 2] = 0x7F
+    scale[9, 0] = 0xFF
+    x = torch.randn(1, 64, generator=gen).to(torch.float16)
+    cfg = tk.NVFP4Config("paired", block_n=32, block_k=32, split_k=1, num_stages=1)
+    y = tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
+    nan = torch.isnan(y[0])
+    assert bool(nan[5]) and bool(nan[9]) and int(nan.sum()) == 2
+
+
+def test_default_config_takes_the_paired_gemv_for_one_half_row() -> None:
+    from salaquant.kernels.nvfp4 import triton_kernels as tk
+
+    for dtype in (torch.float16, torch.bfloat16):
+        cfg = tk.default_config(1, 4096, 4096, "cpu", dtype)
+        assert cfg.kernel == "paired" and (cfg.block_n, cfg.block_k) == tk.PAIRED_TILE
+    assert tk.default_config(1, 4096, 4096, "cpu", torch.float32).kernel == "dot"
+    assert tk.default_config(1, 4096, 4096, "cpu").kernel == "dot"
+    assert tk.default_config(2, 4096, 4096, "cpu", torch.bfloat16).kernel == "dot"
+
+
+def test_paired_splits_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuned split applies on a Hopper GPU at gate_up (K 4096 -> N 32768) only; elsewhere the default: at
+    most 4 programs per SM of 132 (gate_up: 256 row tiles, so 2 splits; down: 32 tiles and 64 K tiles, 16)."""
+    from salaquant.kernels.nvfp4 import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_programs_target", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tk, "_capability_major", lambda index: 9)
+    assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 4
+    assert tk.default_config(1, 4096, 16384, "cuda", torch.bfloat16).split_k == 16
+    monkeypatch.setattr(tk, "_capability_major", lambda index: 8)
+    assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 2
+
+
+@needs_triton
+def test_paired_refuses_what_it_cannot_run(tk) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, scale, s2 = _quantized(gen, 32, 64)
+    cfg = tk.NVFP4Config("paired", block_n=32, block_k=32, num_stages=1)
+    with pytest.raises(ValueError, match="one fp16/bf16 activation row"):
+        tk.nvfp4_matmul_triton(torch.zeros(2, 64, dtype=torch.float16), weight, scale, s2, config=cfg)
+    with pytest.raises(ValueError, match="one fp16/bf16 activation row"):
+        tk.nvfp4_matmul_triton(torch.zeros(1, 64), weight, scale, s2, config=cfg)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
+def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int, n: int) -> None:
+    """The PTX path against the emulation of the same operations on the same GPU (bit-identical), both within the
+    bound of the fp32 reference, at SALA shapes with the default launch."""
+    from salaquant.kernels.nvfp4 import triton_kernels as tk
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    weight, scale, s2 = _quantized(gen, n, k)
+    weight, scale, s2 = weight.cuda(), scale.cuda(), s2.cuda()
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).cuda()
+    assert tk.default_config(1, n, k, "cuda", x.dtype).kernel == "paired"
+    got = tk.nvfp4_matmul_triton(x, weight, scale, s2)
+    monkeypatch.setattr(tk, "_EMULATE_PAIRED", True)
+    emulated = tk.nvfp4_matmul_triton(x, weight, scale, s2)
+    assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
+    _bound_check(got.cpu(), x.cpu(), weight.cpu(), scale.cpu(), s2.cpu(), 0.0, f"seed={seed} K={k} N={n}")
