@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["DOT4_PTX", "emulated_fma2", "f16_pair", "half", "halves", "join"]
+__all__ = ["DOT4_PTX", "emulated_fma2", "f16_pair", "half", "halves", "i32", "join"]
 
 DOT4_PTX = """mul.rn.f16x2 p, a0, $2;
 fma.rn.f16x2 p, a1, $3, p;
@@ -26,6 +26,12 @@ add.f32 lf, lf, hf;
 """PTX of a word's dot product: the paired products of the weight pairs ``a0..a3`` with the activation pairs in
 operands ``$2..$5`` summed into pair ``p``, then its two halves widened and added into fp32 ``lf``. The caller's
 block declares ``.reg .b32 a0, a1, a2, a3, p``, ``.reg .b16 l16, h16`` and ``.reg .f32 lf, hf``."""
+
+
+def i32(value: int) -> tl.constexpr:
+    """A 32-bit pattern (a pair of fp16 constants, a mask) as the signed int32 constant Triton takes."""
+    return tl.constexpr(value - (1 << 32) if value >= 1 << 31 else value)
+
 
 _BF16_PAIR_PTX = tl.constexpr("""{
 .reg .b32 lo, hi;

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves
+from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
 from .split_k import finish, k_range
 
 __all__ = ["OUT_SHIFT", "nvfp4_paired_gemv_kernel"]
@@ -33,10 +33,10 @@ __all__ = ["OUT_SHIFT", "nvfp4_paired_gemv_kernel"]
 OUT_SHIFT = tl.constexpr(2.0**14)
 """The weights are used as ``e2m1 * scale * 2**-14``: the accumulated sum is multiplied by this (and the global
 scale) at the end."""
-_MAG = tl.constexpr(0x0E000E00)
-_SIGN = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32
-_F16_256 = tl.constexpr(0x5C005C00)  # a pair of fp16 256.0
-_F16_NAN = tl.constexpr(0x7E007E00)
+_MAG = i32(0x0E000E00)  # fp16 bits 9-11 of both halves
+_SIGN = i32(0x80008000)
+_F16_256 = i32(0x5C005C00)  # a pair of fp16 256.0
+_F16_NAN = i32(0x7E007E00)
 
 _WORD_PTX = tl.constexpr(
     """{

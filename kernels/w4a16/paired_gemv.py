@@ -16,10 +16,8 @@ for fp16 activations), each word's two 4-term sums round to fp16 (relative 2**-1
 rounding), and everything after is fp32. The ``1/32`` keeps every 4-term sum within the activation's magnitude,
 so any activation that fits fp16 (|x| <= 65504) is safe; the result is multiplied by 32 at the end (exact).
 
-On a GPU the paired operations are PTX (``ASM``); under the Triton interpreter, which runs no PTX, the same
-operations are emulated per half with fp16 rounding after each multiply-add (fp32 intermediate), on the same
-packed words and pairs, so the CPU tests check the packing, pairing and scaling, and a GPU test holds the PTX to
-the emulation.
+On a GPU the paired operations are PTX (``ASM``); under the Triton interpreter they are emulated on the same
+packed words and pairs (``salaquant.kernels.paired_f16``).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves
+from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
 from .split_k import k_slice, load_words, split_k_store, tile_scales
 
 __all__ = ["OUT_SCALE", "paired_gemv_kernel", "word_dot"]
@@ -37,23 +35,10 @@ _LO_MASK = 0x000F000F  # codes j and j + 4 (j = 0, or 2 after >> 8), each at bit
 _HI_MASK = 0x00F000F0  # codes j and j + 4 (j = 1, or 3 after >> 8), each at bit 4 of its half
 _LO_MUL, _LO_ADD = 0x28002800, 0xD008D008  # (1024 + c) / 32 - 32.25 = (c - 8) / 32
 _HI_MUL, _HI_ADD = 0x18001800, 0xC080C080  # (1024 + 16 c) / 512 - 2.25 = (c - 8) / 32
-_S = {
-    name: value - (1 << 32) if value >= 1 << 31 else value
-    for name, value in (
-        ("magic", _MAGIC16),
-        ("lo_mul", _LO_MUL),
-        ("lo_add", _LO_ADD),
-        ("hi_mul", _HI_MUL),
-        ("hi_add", _HI_ADD),
-    )
-}
-C_MAGIC = tl.constexpr(_S["magic"])
-C_LO_MUL = tl.constexpr(_S["lo_mul"])
-C_LO_ADD = tl.constexpr(_S["lo_add"])
-C_HI_MUL = tl.constexpr(_S["hi_mul"])
-C_HI_ADD = tl.constexpr(_S["hi_add"])
-C_LO_MASK = tl.constexpr(_LO_MASK)
-C_HI_MASK = tl.constexpr(_HI_MASK)
+
+
+C_MAGIC, C_LO_MASK, C_HI_MASK = i32(_MAGIC16), i32(_LO_MASK), i32(_HI_MASK)
+C_LO_MUL, C_LO_ADD, C_HI_MUL, C_HI_ADD = i32(_LO_MUL), i32(_LO_ADD), i32(_HI_MUL), i32(_HI_ADD)
 OUT_SCALE = tl.constexpr(32.0)
 """The codes are used as ``(code - 8) / 32``: the accumulated sum is multiplied by this at the end."""
 
