@@ -5,6 +5,8 @@ Kernels:
 * ``_nvfp4_dot_kernel``: tensor-core tiles computed as ``y^T = W @ x^T`` (the dequantized weight is the left
   operand, the activations the right one), with split-K. With ``BLOCK_M = 16`` it is the decode path
   (M <= 16); with larger tiles the prefill path.
+* ``nvfp4_paired_gemv_kernel`` (``paired_gemv``): split-K GEMV on paired fp16 arithmetic, the default for one
+  fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_SPLITS``).
 * ``_nvfp4_gemv_kernel``: CUDA-core split-K GEMV, one activation row per program (used for M <= GEMV_MAX_M,
   0 by default, or when a config asks for it).
 * ``_nvfp4_dequant_kernel``: the ``[N, K]`` weight in the activation dtype, for ``F.linear`` at large M.
@@ -63,8 +65,9 @@ __all__ = [
 ]
 
 GEMV_MAX_M = 0
-"""Largest M for which ``default_config`` picks the CUDA-core GEMV kernel (0: the tensor-core kernel for every M;
-its loop compiles to fewer instructions per weight for sm_90)."""
+"""Largest M for which ``default_config`` picks the CUDA-core GEMV kernel (0: the tensor-core kernel for every M
+but one fp16/bf16 row, which takes the paired GEMV; its loop compiles to fewer instructions per weight for
+sm_90)."""
 
 PAIRED_TILE = (128, 256)
 """``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row: within
