@@ -115,15 +115,20 @@ def _scale_pair(s, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(x_ptr, blocks, mask, HALF: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+def _x_pairs(x_ptr, blocks, mask, shape: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     """The four fp16 activation pairs ``(x[8 w + i], x[8 w + i + 4])`` of word ``w = 2 * block + HALF`` (``mask``:
-    the blocks inside K, or None)."""
+    the blocks inside K, or None), broadcast over the rows to ``shape``."""
     xb = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + blocks * 8 + HALF * 4
     v01 = f16_pair(tl.load(xb + 0, mask=mask, other=0 if mask is not None else None), BF16, ASM)
     v23 = f16_pair(tl.load(xb + 1, mask=mask, other=0 if mask is not None else None), BF16, ASM)
     v45 = f16_pair(tl.load(xb + 2, mask=mask, other=0 if mask is not None else None), BF16, ASM)
     v67 = f16_pair(tl.load(xb + 3, mask=mask, other=0 if mask is not None else None), BF16, ASM)
-    return halves(v01, v45, False), halves(v01, v45, True), halves(v23, v67, False), halves(v23, v67, True)
+    return (
+        tl.broadcast_to(halves(v01, v45, False)[None, :], shape),
+        tl.broadcast_to(halves(v01, v45, True)[None, :], shape),
+        tl.broadcast_to(halves(v23, v67, False)[None, :], shape),
+        tl.broadcast_to(halves(v23, v67, True)[None, :], shape),
+    )
 
 
 @triton.jit
@@ -172,28 +177,10 @@ def nvfp4_paired_gemv_kernel(
             s = tl.load(s_ptrs, mask=n_ok[:, None] & b_ok[None, :], other=0)
         w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, BLOCK_B, 2)))
         sc = _scale_pair(s, ASM)
-        e0, e1, e2, e3 = _x_pairs(x_ptr, blocks, b_ok, 0, BF16, ASM)
-        o0, o1, o2, o3 = _x_pairs(x_ptr, blocks, b_ok, 1, BF16, ASM)
-        acc = _word_dot(
-            w_even,
-            tl.broadcast_to(e0[None, :], shape),
-            tl.broadcast_to(e1[None, :], shape),
-            tl.broadcast_to(e2[None, :], shape),
-            tl.broadcast_to(e3[None, :], shape),
-            sc,
-            acc,
-            ASM,
-        )
-        acc = _word_dot(
-            w_odd,
-            tl.broadcast_to(o0[None, :], shape),
-            tl.broadcast_to(o1[None, :], shape),
-            tl.broadcast_to(o2[None, :], shape),
-            tl.broadcast_to(o3[None, :], shape),
-            sc,
-            acc,
-            ASM,
-        )
+        e0, e1, e2, e3 = _x_pairs(x_ptr, blocks, b_ok, shape, 0, BF16, ASM)
+        o0, o1, o2, o3 = _x_pairs(x_ptr, blocks, b_ok, shape, 1, BF16, ASM)
+        acc = _word_dot(w_even, e0, e1, e2, e3, sc, acc, ASM)
+        acc = _word_dot(w_odd, o0, o1, o2, o3, sc, acc, ASM)
     gscale = tl.load(gs_ptr) * OUT_SHIFT
     finish(
         tl.sum(acc, axis=1), gscale, out_ptr + offs_n, ws_ptr + offs_n, n_ok, cnt_ptr, pid_n, pid_k, N, split_k, SPLIT

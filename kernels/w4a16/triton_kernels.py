@@ -671,6 +671,13 @@ def _partials(x: Tensor, splits: int, m: int, n: int) -> Tensor:
     return part
 
 
+def _fixed_split_k(x: Tensor, m: int, n: int, k: int, block_n: int, block_k: int, split_k: int | None, min_tiles: int):
+    """Grid ``(column tiles, splits)``, fp32 partials and counters of a split-K launch with fixed tiles."""
+    n_tiles = cdiv(n, block_n)
+    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k, min_tiles)
+    return (n_tiles, splits), _partials(x, splits, m, n), _counters(x.device, n_tiles)
+
+
 def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) -> None:
     """Launch a split-K kernel, with workspace and counters sized for the largest split any config picks."""
     m, n = y.shape
@@ -741,15 +748,14 @@ def matmul_paired(
     if block_k not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_k must be 16, 32, 64, 128 or 256, got {block_k}")
     y = _output(out, 1, n, x)
-    n_tiles = cdiv(n, block_n)
-    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k, _PAIRED_MIN_TILES)
-    paired_gemv_kernel[(n_tiles, splits)](
+    grid, part, cnt = _fixed_split_k(x, 1, n, k, block_n, block_k, split_k, _PAIRED_MIN_TILES)
+    paired_gemv_kernel[grid](
         x,
         qweight,
         scales,
         y,
-        _partials(x, splits, 1, n),
-        _counters(x.device, n_tiles),
+        part,
+        cnt,
         n,
         k,
         GROUP_SIZE=gs,
@@ -862,16 +868,14 @@ def matmul_wleft(
     if block_n < 16 or block_n & (block_n - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"tiles must be powers of two of at least 16, got block_n={block_n}, block_k={block_k}")
     y = _output(out, m, n, x)
-    n_tiles = cdiv(n, block_n)
-    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k)
-    part = _partials(x, splits, m, n)
-    _wleft_kernel[(n_tiles, splits)](
+    grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, block_k, split_k, _MIN_TILES_PER_SPLIT)
+    _wleft_kernel[grid](
         x,
         qweight,
         scales,
         y,
         part,
-        _counters(x.device, n_tiles),
+        cnt,
         m,
         n,
         k,
