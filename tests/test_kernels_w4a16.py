@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul, w4a16_matmul_reference
 
 from salaquant.gptq.packing import dequantize_gptq_v1, pack_gptq_v1
@@ -176,7 +177,7 @@ def test_kernel_variants(variant: int, group_size: int) -> None:
     ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
     w = dequantize(qweight, scales, 4, group_size)
     _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} {name} {config} split_k={split_k} gs={group_size}")
-    assert not bool(tk._counters(x.device, 1).any()), "split-K counters were not reset"
+    assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..counters import arrival_counters
 from ..host import cdiv
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
@@ -423,20 +424,6 @@ def default_config(
     return NVFP4Config("dot", block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
 
 
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``size`` tiles, cached per device and stream (reset by the kernels)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < size:
-        buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def _check_device(t: torch.Tensor) -> None:
     """RuntimeError unless ``t`` is a CUDA tensor or the Triton interpreter is on."""
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -506,7 +493,7 @@ def nvfp4_matmul_triton(
     if cfg.kernel == "paired":
         if m != 1 or x.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the paired GEMV takes one fp16/bf16 activation row, got {m} rows of {x.dtype}")
-        cnt = _counters(x.device, cdiv(n, cfg.block_n)) if split > 1 else gs
+        cnt = arrival_counters(x.device, cdiv(n, cfg.block_n)) if split > 1 else gs
         nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](
             x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
             BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
@@ -516,7 +503,7 @@ def nvfp4_matmul_triton(
         if m > 65535:
             raise ValueError(f"the gemv kernel takes at most 65535 rows, got {m}")
         grid = (cdiv(n, cfg.block_n), split, m)
-        cnt = _counters(x.device, grid[0] * m) if split > 1 else gs
+        cnt = arrival_counters(x.device, grid[0] * m) if split > 1 else gs
         _nvfp4_gemv_kernel[grid](
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, BF16=bf16,
@@ -525,7 +512,7 @@ def nvfp4_matmul_triton(
         )  # fmt: skip
     else:
         tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
-        cnt = _counters(x.device, tiles) if split > 1 else gs
+        cnt = arrival_counters(x.device, tiles) if split > 1 else gs
         _nvfp4_dot_kernel[(tiles, split)](
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, GROUP_N=cfg.group_n,

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..counters import arrival_counters
 from ..host import cdiv, next_power_of_2
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
@@ -555,19 +556,7 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 
-_COUNTERS: dict[tuple, Tensor] = {}
 _CUDA_FACTS: dict[int, tuple[int, int]] = {}
-
-
-def _counters(device: torch.device, n: int) -> Tensor:
-    """Zeroed int32 split-K counters (at least ``n``) for the current stream of ``device``."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def _tiled_fills(m: int, n: int, device: torch.device) -> bool:
@@ -675,7 +664,7 @@ def _fixed_split_k(x: Tensor, m: int, n: int, k: int, block_n: int, block_k: int
     """Grid ``(column tiles, splits)``, fp32 partials and counters of a split-K launch with fixed tiles."""
     n_tiles = cdiv(n, block_n)
     splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k, min_tiles)
-    return (n_tiles, splits), _partials(x, splits, m, n), _counters(x.device, n_tiles)
+    return (n_tiles, splits), _partials(x, splits, m, n), arrival_counters(x.device, n_tiles)
 
 
 def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) -> None:
@@ -689,7 +678,7 @@ def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) 
         return _split_count(cdiv(n, c["BLOCK_N"]), cdiv(k, c["BLOCK_K"]), sms, split_k)
 
     part = _partials(x, max(splits(c.kwargs) for c in configs), m, n)
-    cnt = _counters(x.device, max(cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
+    cnt = arrival_counters(x.device, max(cdiv(n, c.kwargs["BLOCK_N"]) for c in configs))
     grid = lambda meta: (cdiv(n, meta["BLOCK_N"]), splits(meta))  # noqa: E731
     _run(kernel, config, grid, x, qweight, scales, y, part, cnt, *args, **meta)
 
@@ -803,7 +792,7 @@ def matmul_flat(
     n_tiles = cdiv(n, block_n)
     splits = cdiv(cdiv(k, block_k), tiles)
     part = _partials(x, splits, m, n)
-    cnt = _counters(x.device, n_tiles)
+    cnt = arrival_counters(x.device, n_tiles)
     _flat_kernel[(n_tiles, splits)](
         x,
         qweight,
