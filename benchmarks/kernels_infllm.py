@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from infllm_decode import capture_graph
 from salaquant.kernels import infllm
 from salaquant.kernels.infllm import triton_kernels
 from triton.testing import do_bench
@@ -39,16 +40,7 @@ def _bench(fn: Callable[[], Any], rep_ms: int) -> float:
 def _graph_bench(fn: Callable[[], Any], rep_ms: int) -> float | str:
     """Time ``fn`` replayed from a CUDA graph (launch overhead removed); an error string if capture fails."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return _bench(graph.replay, rep_ms)
+        return _bench(capture_graph(fn).replay, rep_ms)
     except Exception as exc:  # report, keep the other numbers
         return f"capture failed: {type(exc).__name__}: {exc}"
 

@@ -80,6 +80,17 @@ def test_stage1_matches_reference(case: str) -> None:
         assert (expected > 0).any() and (tq == 1 or (expected == 0).any())  # visible and masked windows
 
 
+@needs_triton
+def test_stage1_merges_lse_parts_in_several_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode with 7 K2 splits of 16 windows and 2 partial LSEs per load: 4 rounds (the last one half padding)."""
+    q, k, _ = _qkv(1, 1, 1600, 2, 4, 16, torch.float32)
+    k1, k2 = _compressed(k, SMALL)
+    assert -(-k2.shape[1] // 16) == 7
+    monkeypatch.setattr(_kernels(), "LSE_PARTS_PER_LOAD", 2)
+    got = _kernels().stage1_scores(q, k1, k2, 1599, SMALL, num_splits=7, block_n=16)
+    torch.testing.assert_close(got, ref.stage1_scores(q, k1, k2, 1599, SMALL), **SCORE_TOL)
+
+
 # 24-token blocks read as two 16-key tiles (the second one half masked)
 BLOCK24 = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=24, window_size=24, topk=2)
 
@@ -246,6 +257,7 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
         (5, 203, SMALL),
         (3, 40, SMALL),  # fewer blocks than total_topk: every block, future ones as -1
         (1, 16, SMALL),  # a single block
+        (2, 9000, SMALL),  # 563 blocks
         (
             2,
             1000,
@@ -283,7 +295,8 @@ def test_pool_select_signed_scores(seed: int) -> None:
     scores[..., ::7] = -3.0  # ties among negative scores
     scores = scores.to(DEV)
     want = _select(scores, tk - tq, tk, params)
-    assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, params).long().cpu(), want.cpu())
+    got = _kernels().pool_select(scores, tk - tq, tk, params)
+    assert torch.equal(got.long().cpu(), want.cpu())
 
 
 @pytest.mark.parametrize("value", [0.0, 0.5])

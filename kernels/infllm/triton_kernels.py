@@ -26,12 +26,15 @@ finite ``-1e30`` so that fully masked tiles stay NaN-free. Base offsets are int6
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from salaquant.model.sparse_attention import SparseParams, forced_blocks
 
@@ -42,9 +45,31 @@ __all__ = ["block_sparse_attention", "pool_select", "stage1_scores"]
 _LOG2E = 1.4426950408889634
 MERGE_SPLITS_PER_LOAD = 64
 """Most partial results the split-merge kernel loads in one round (a ``[splits, head_dim]`` fp32 tile)."""
+USE_PDL = True
+"""Launch each kernel that reads an earlier one's output with programmatic dependent launch on Hopper and newer
+GPUs: it is scheduled while its predecessor runs (which signals at its start) and waits (``griddepcontrol.wait``)
+before its first global access, so the launch latency between the kernels of a decode step overlaps."""
+LSE_PARTS_PER_LOAD = 64
+"""Most partial K2 log-sum-exps the stage-1 scoring kernel loads in one round (a ``[parts, rows]`` fp32 tile)."""
 FEW_ROWS = 128
 """Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
-rows at 128K context took 14.8 against 18.2 us in a CUDA graph on an H200 (16 warps: 14.6)."""
+rows at 128K context took 15.7 against 19.2 us per replay of a CUDA graph of the launch on an H200 (16 warps:
+15.5)."""
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).major
+
+
+def _pdl(device: torch.device) -> dict[str, bool]:
+    """``PDL`` and ``launch_pdl`` launch arguments: on where ``USE_PDL`` is set and the GPU is sm_90 or newer."""
+    on = USE_PDL and device.type == "cuda" and not _INTERPRET
+    on = on and _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _pow2(x: int, floor: int = 16) -> int:
@@ -153,8 +178,11 @@ def _stage1_lse_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial log2-domain LSE over one ``split_len`` range of K2 windows (``-inf`` where none is visible)."""
+    if PDL:
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -220,12 +248,16 @@ def _stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     LSE_IN: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Scores of one query tile over one ``split_len`` range of K1 windows.
 
     With ``LSE_IN`` the per-row LSE is merged from ``n_lse_parts`` partials written by ``_stage1_lse_kernel``;
     otherwise it is computed here over all visible K2 windows.
     """
+    if PDL:  # launched behind _stage1_lse_kernel: reads only its partials after the wait
+        gdc_launch_dependents()
     # heavy (late) tiles first: their work grows with the position
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -243,13 +275,20 @@ def _stage1_kernel(
     if LSE_IN:
         m_i = tl.zeros([ROWS], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([ROWS], dtype=tl.float32)
-        part_ptrs = lse_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * n_lse_parts * ROWS
-        part_ptrs += tl.arange(0, ROWS)
-        for _ in range(0, n_lse_parts):
-            part = tl.load(part_ptrs)
-            part_ptrs += ROWS
-            m_new = tl.maximum(m_i, part)
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(part - m_new)
+        if PDL:
+            gdc_wait()
+        # the partials come BLOCK_P at a time as one [BLOCK_P, ROWS] tile: one round of loads, not one per partial
+        offs_p = tl.arange(0, BLOCK_P)
+        part_base = lse_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * n_lse_parts * ROWS
+        for p0 in range(0, n_lse_parts, BLOCK_P):
+            parts = p0 + offs_p
+            tile = tl.load(
+                part_base + parts[:, None] * ROWS + tl.arange(0, ROWS)[None, :],
+                mask=(parts < n_lse_parts)[:, None],
+                other=float("-inf"),
+            )
+            m_new = tl.maximum(m_i, tl.max(tile, 0))  # finite: m_i starts at -1e30
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(tile - m_new[None, :]), 0)
             m_i = m_new
     else:
         m_i, l_i = _k2_partial_lse(
@@ -430,6 +469,7 @@ def _stage2_kernel(
     EVEN_D: tl.constexpr,
     SPLIT: tl.constexpr,
     LOCAL_DONE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One query token and KV group over its selected blocks (or one ``blocks_per_split`` slice of them).
 
@@ -437,6 +477,9 @@ def _stage2_kernel(
     ``LOCAL_DONE`` the forced blocks were attended by ``_local_attention_kernel`` and the list holds the other
     blocks only: the online softmax starts from the local output and LSE.
     """
+    if PDL:  # may start before the kernel that wrote block_idx (or anything else it reads) has finished
+        gdc_launch_dependents()
+        gdc_wait()
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -545,12 +588,15 @@ def _merge_splits_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Combine the ``n_splits`` partial outputs of one (token, KV group, query head) by their LSE weights.
 
     ``BLOCK_S`` splits are loaded at once (one round of loads for up to ``BLOCK_S`` splits, instead of one
     dependent step per split); more splits than that are folded in chunk by chunk.
     """
+    if PDL:
+        gdc_wait()
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_g = tl.program_id(2)
@@ -601,16 +647,24 @@ def _pool_select_kernel(
     INIT_BLOCKS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
     Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
-    the ``k``-th largest image, one bit per step in 32 dependent counts over the row (int32 throughout); the blocks
-    above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores: lower
-    block first). No sort. Fixing 2 or 4 bits per step from 3 or 15 counts made together was slower on an H200
-    (16.9 and 19.1 against 14.8 us per decode row at 8 warps).
+    the ``k``-th largest image, one bit per step in up to 32 dependent counts over the row (int32 throughout); the
+    blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores:
+    lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us, its 32 counts 5.9 of them
+    (about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``). Slower or no faster there: 2 or 4 bits per step
+    from 3 or 15 counts made as separate sums (16.9 and 19.1 against 14.8 us per row, one launch replayed from a
+    graph), 2 bits from 3 counts packed into one sum of two int32 (11.8 against 11.6 us, back-to-back replays), 4
+    bits from 16 counts in 16-bit fields of four int64 sums (15.3 against 9.8 us in the decode step), and
+    ``tl.topk``'s bitonic network (16.4 against 11.7 us, back-to-back replays).
     The chosen blocks are written in ascending order (future ones as -1).
     """
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     t_idx = pid_t.to(tl.int64)
@@ -633,16 +687,25 @@ def _pool_select_kernel(
     ordered = tl.where(in_range, ordered, -2147483648)
     # v = the largest image with count(ordered >= v) >= k, built from its top bit down: a step tries v + 2^(31-step)
     # (the lower bits of v are still zero, so the sum never carries; int32 wraps at step 0, INT32_MIN + 2^31 = 0)
-    # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k.
+    # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k. A count of exactly k ends
+    # the search early: the images >= v are then the top k, ties and all.
     v = tl.full([], -2147483648, tl.int32)
     one = tl.full([], 1, tl.int32)
-    for step in tl.static_range(32):
+    step = 0
+    count = n_blocks
+    while (step < 32) & (count != k_sel):
         cand = v + (one << (31 - step))
-        v = tl.where(tl.sum((ordered >= cand).to(tl.int32), 0) >= k_sel, cand, v)
+        n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
+        v = tl.where(n_ge >= k_sel, cand, v)
+        count = tl.where(n_ge >= k_sel, n_ge, count)
+        step += 1
     above = (ordered > v) & in_range
     tied = (ordered == v) & in_range
-    need = k_sel - tl.sum(above.to(tl.int32), 0)
-    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= need))
+    if count == k_sel:  # every block equal to v is chosen: no tie to break
+        chosen = above | tied
+    else:
+        need = k_sel - tl.sum(above.to(tl.int32), 0)
+        chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= need))
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     out = tl.where(blocks > qb, -1, blocks)
     tl.store(idx_ptr + pid_bh * stride_ib + t_idx * stride_it + slot.to(tl.int64) * stride_is, out, mask=chosen)
@@ -660,9 +723,10 @@ def pool_select(
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
-    one program per (query, batch * KV head); a row costs 32 dependent counts over ``next_power_of_2(n_blocks)``
-    pooled scores. ``num_warps`` defaults to 8 when the rows are too few to fill the GPU (decode), else 4. ``out``
-    (int32, that shape, contiguous) receives the result when given.
+    one program per (query, batch * KV head); a row costs up to 32 dependent counts over
+    ``next_power_of_2(n_blocks)`` pooled scores (fewer when a count lands on ``k`` exactly). ``num_warps`` defaults
+    to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that shape; a slice along
+    ``Tq`` of a contiguous selection will do) receives the result.
     """
     b, hkv, tq, n1 = scores.shape
     n_blocks = cdiv(tk, params.block_size)
@@ -670,8 +734,11 @@ def pool_select(
     shape = (b, hkv, tq, k_sel)
     if out is None:
         idx = torch.empty(shape, dtype=torch.int32, device=scores.device)
-    elif out.shape != shape or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous int32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    elif out.shape != shape or out.dtype != torch.int32 or out.stride(0) != hkv * out.stride(1):
+        raise ValueError(
+            f"out must be int32 {shape} with mergeable batch and head strides, got {out.dtype} {tuple(out.shape)} "
+            f"strides {out.stride()}"
+        )
     else:
         idx = out
     if b * hkv * tq == 0 or k_sel == 0:
@@ -694,6 +761,7 @@ def pool_select(
         LOCAL_BLOCKS=params.local_blocks,
         BLOCK_NB=_pow2(n_blocks),
         num_warps=num_warps if num_warps is not None else (8 if b * hkv * tq < FEW_ROWS else 4),
+        **_pdl(scores.device),
     )
     return idx
 
@@ -770,11 +838,12 @@ def stage1_scores(
         split2 = cdiv(cdiv(n2, num_splits), block_n) * block_n
         splits2 = cdiv(n2, split2)
         lse = torch.empty(b * hkv * n_tiles * splits2 * block_m * block_g, dtype=torch.float32, device=q.device)
+        pdl = _pdl(q.device)
         _stage1_lse_kernel[(n_tiles, b * hkv, splits2)](
-            q, k2, lse, tq, n2, q_start, hkv, d, split2, *q.stride(), *k2.stride(), qk_scale, **consts
+            q, k2, lse, tq, n2, q_start, hkv, d, split2, *q.stride(), *k2.stride(), qk_scale, PDL=pdl["PDL"], **consts
         )
     else:
-        splits2, lse = 0, out  # lse unused
+        splits2, lse, pdl = 0, out, {"PDL": False}  # lse unused
     _stage1_kernel[(n_tiles, b * hkv, splits1)](
         q,
         k1,
@@ -797,6 +866,8 @@ def stage1_scores(
         KERNEL1=params.kernel_size,
         STRIDE1=params.kernel_stride,
         LSE_IN=lse_in,
+        BLOCK_P=min(_pow2(splits2, floor=1), LSE_PARTS_PER_LOAD),
+        **pdl,
         **consts,
     )
     return out
@@ -946,6 +1017,7 @@ def block_sparse_attention(
         LOCAL_DONE=local_dense,
         num_warps=num_warps,
         num_stages=num_stages,
+        **_pdl(q.device),
     )
     if split:
         _merge_splits_kernel[(tq, b * hkv, g)](
@@ -962,5 +1034,6 @@ def block_sparse_attention(
             BLOCK_D=block_d,
             BLOCK_S=min(_pow2(splits), MERGE_SPLITS_PER_LOAD),
             num_warps=4,
+            **_pdl(q.device),
         )
     return out

@@ -1,0 +1,115 @@
+"""Where the time of one decode row's block selection goes, on one GPU.
+
+The selection kernel of ``salaquant.kernels.infllm`` (pool 8,191 stage-1 scores into 2,048 blocks, force the
+init and local blocks, find the k-th largest pooled score, write the chosen blocks in order) is rebuilt here
+with parts switched off: the counting steps of the search (0, 8, 16 or 32, no early end), the max-pooling
+gather (or one load per block), and the final ordered write (two cumulative sums; or a plain masked store). Each
+variant is launched 20 times inside one CUDA graph; the time per launch (graph replay / 20) and the kernel's own
+duration from the profiler are printed, so the cost of each part is the difference between two variants.
+
+  python benchmarks/infllm_select_anatomy.py --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+
+@triton.jit
+def _select_variant(
+    scores_ptr,
+    idx_ptr,
+    n1,
+    n_blocks,
+    k_sel,
+    pos,
+    STEPS: tl.constexpr,
+    GATHER: tl.constexpr,
+    ORDERED_WRITE: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.arange(0, BLOCK_NB)
+    in_range = blocks < n_blocks
+    pooled = tl.full([BLOCK_NB], float("-inf"), dtype=tl.float32)
+    if GATHER:
+        for j in tl.static_range(5):
+            w = blocks * 4 - 1 + j
+            ok = in_range & (w >= 0) & (w < n1)
+            pooled = tl.maximum(pooled, tl.load(scores_ptr + row * n1 + w, mask=ok, other=float("-inf")))
+    else:
+        pooled = tl.load(scores_ptr + row * n1 + blocks, mask=in_range, other=float("-inf"))
+    qb = pos // 64
+    forced = (blocks < 1) | ((blocks >= qb - 32) & (blocks <= qb))
+    pooled = tl.where(forced, float("inf"), pooled)
+    bits = pooled.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = tl.where(in_range, ordered, -2147483648)
+    v = tl.full([], -2147483648, tl.int32)
+    one = tl.full([], 1, tl.int32)
+    for step in tl.static_range(STEPS):
+        cand = v + (one << (31 - step))
+        v = tl.where(tl.sum((ordered >= cand).to(tl.int32), 0) >= k_sel, cand, v)
+    above = (ordered > v) & in_range
+    if ORDERED_WRITE:
+        tied = (ordered == v) & in_range
+        need = k_sel - tl.sum(above.to(tl.int32), 0)
+        chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= need))
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(idx_ptr + row * k_sel + slot, tl.where(blocks > qb, -1, blocks), mask=chosen)
+    else:
+        tl.store(idx_ptr + row * BLOCK_NB + blocks, tl.where(above, blocks, -1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t, n_rows, launches = 131072, 2, 20
+    n1, n_blocks, k_sel = (t - 32) // 16 + 1, t // 64, 96
+    scores = torch.rand(n_rows, n1, device="cuda") * 1e-3
+    idx = torch.empty(n_rows, n_blocks, dtype=torch.int32, device="cuda")
+    res: dict[str, object] = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": n_rows}
+    for steps, gather, ordered, warps in itertools.product((0, 8, 16, 32), (True, False), (True, False), (8,)):
+        name = f"steps{steps}_{'gather' if gather else 'direct'}_{'ordered' if ordered else 'mask'}_warps{warps}"
+
+        def launch(steps: int = steps, gather: bool = gather, ordered: bool = ordered, warps: int = warps) -> None:
+            _select_variant[(n_rows,)](
+                scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, GATHER=gather, ORDERED_WRITE=ordered,
+                BLOCK_NB=n_blocks, num_warps=warps,
+            )  # fmt: skip
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            launch()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(launches):
+                launch()
+        per_launch = 1e3 * float(do_bench(graph.replay, warmup=20, rep=200)) / launches
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        durations = [e.time_range.end - e.time_range.start for e in prof.events() if e.device_type.name == "CUDA"]
+        res[name] = {"per_launch_us": per_launch, "kernel_us": statistics.median(durations) if durations else None}
+        print(f"{name:<36} {per_launch:6.2f} us per launch, kernel {res[name]['kernel_us']}")
+    out = args.out if args.out.suffix == ".json" else args.out / "infllm_select_anatomy.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
