@@ -2,10 +2,11 @@
 
 The selection kernel of ``salaquant.kernels.infllm`` (pool 8,191 stage-1 scores into 2,048 blocks, force the
 init and local blocks, find the k-th largest pooled score, write the chosen blocks in order) is rebuilt here
-with parts switched off: the counting steps of the search (0, 8, 16 or 32, no early end), the max-pooling
-gather (or one load per block), and the final ordered write (two cumulative sums; or a plain masked store). Each
-variant is launched 20 times inside one CUDA graph; the time per launch (graph replay / 20) and the kernel's own
-duration from the profiler are printed, so the cost of each part is the difference between two variants.
+with parts switched off: the counting steps of the search (0, 8, 16 or 32 one-bit steps, or 8, 16 or 21 steps
+of a ternary search that makes two counts per sum; no early end), the max-pooling gather (or one load per
+block), and the final ordered write (two cumulative sums; or a plain masked store). Each variant is launched
+20 times inside one CUDA graph; the time per launch (graph replay / 20) and the kernel's own duration from the
+profiler are printed, so the cost of each part is the difference between two variants.
 
   python benchmarks/infllm_select_anatomy.py --out OUT.json
 """
@@ -34,6 +35,7 @@ def _select_variant(
     k_sel,
     pos,
     STEPS: tl.constexpr,
+    TERNARY: tl.constexpr,
     GATHER: tl.constexpr,
     ORDERED_WRITE: tl.constexpr,
     BLOCK_NB: tl.constexpr,
@@ -55,11 +57,27 @@ def _select_variant(
     bits = pooled.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     ordered = tl.where(in_range, ordered, -2147483648)
-    v = tl.full([], -2147483648, tl.int32)
-    one = tl.full([], 1, tl.int32)
-    for step in tl.static_range(STEPS):
-        cand = v + (one << (31 - step))
-        v = tl.where(tl.sum((ordered >= cand).to(tl.int32), 0) >= k_sel, cand, v)
+    if TERNARY:  # two counts per sum (16-bit fields of one int32), the interval cut in thirds
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483648, tl.int64)
+        for _ in tl.static_range(STEPS):
+            third = tl.maximum((hi - lo) // 3, 1)
+            c1 = lo + third
+            c2 = tl.maximum(lo + 2 * third, c1)
+            packed = tl.sum(
+                (ordered >= c1.to(tl.int32)).to(tl.int32) + ((ordered >= c2.to(tl.int32)).to(tl.int32) << 16), 0
+            )
+            n1 = packed & 0xFFFF
+            n2 = (packed >> 16) & 0xFFFF
+            hi = tl.where(n2 >= k_sel, hi, tl.where(n1 >= k_sel, c2, c1))
+            lo = tl.where(n2 >= k_sel, c2, tl.where(n1 >= k_sel, c1, lo))
+        v = lo.to(tl.int32)
+    else:  # one bit per sum
+        v = tl.full([], -2147483648, tl.int32)
+        one = tl.full([], 1, tl.int32)
+        for step in tl.static_range(STEPS):
+            cand = v + (one << (31 - step))
+            v = tl.where(tl.sum((ordered >= cand).to(tl.int32), 0) >= k_sel, cand, v)
     above = (ordered > v) & in_range
     if ORDERED_WRITE:
         tied = (ordered == v) & in_range
@@ -81,13 +99,19 @@ def main() -> None:
     scores = torch.rand(n_rows, n1, device="cuda") * 1e-3
     idx = torch.empty(n_rows, n_blocks, dtype=torch.int32, device="cuda")
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": n_rows}
-    for steps, gather, ordered, warps in itertools.product((0, 8, 16, 32), (True, False), (True, False), (8,)):
-        name = f"steps{steps}_{'gather' if gather else 'direct'}_{'ordered' if ordered else 'mask'}_warps{warps}"
+    variants = [(steps, False, gather, ordered) for steps, gather, ordered in itertools.product(
+        (0, 8, 16, 32), (True, False), (True, False)
+    )] + [(steps, True, True, True) for steps in (8, 16, 21)]  # fmt: skip
+    for steps, ternary, gather, ordered in variants:
+        name = (
+            f"{'ternary' if ternary else 'bit'}_steps{steps}_{'gather' if gather else 'direct'}_"
+            f"{'ordered' if ordered else 'mask'}"
+        )
 
-        def launch(steps: int = steps, gather: bool = gather, ordered: bool = ordered, warps: int = warps) -> None:
+        def launch(steps: int = steps, ternary: bool = ternary, gather: bool = gather, ordered: bool = ordered) -> None:
             _select_variant[(n_rows,)](
-                scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, GATHER=gather, ORDERED_WRITE=ordered,
-                BLOCK_NB=n_blocks, num_warps=warps,
+                scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, TERNARY=ternary, GATHER=gather,
+                ORDERED_WRITE=ordered, BLOCK_NB=n_blocks, num_warps=8,
             )  # fmt: skip
 
         stream = torch.cuda.Stream()

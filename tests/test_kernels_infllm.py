@@ -299,6 +299,17 @@ def test_pool_select_signed_scores(seed: int) -> None:
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
+@needs_triton
+def test_pool_select_long_row() -> None:
+    """40,000 blocks in a row (a 65,536-wide program): the blocks are still the reference's."""
+    tq, tk = 1, 40000 * SMALL.block_size
+    n1 = ref.num_compressed(tk, SMALL.kernel_size, SMALL.kernel_stride)
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 17)
+    scores = torch.rand(1, 1, tq, n1, generator=gen).to(DEV)
+    want = _select(scores, tk - tq, tk, SMALL)
+    assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, SMALL).long().cpu(), want.cpu())
+
+
 @pytest.mark.parametrize("value", [0.0, 0.5])
 def test_pool_select_all_scores_equal(value: float) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
