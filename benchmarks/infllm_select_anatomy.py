@@ -3,7 +3,8 @@
 The selection kernel of ``salaquant.kernels.infllm`` (pool 8,191 stage-1 scores into 2,048 blocks, force the
 init and local blocks, find the k-th largest pooled score, write the chosen blocks in order) is rebuilt here
 with parts switched off: the counting steps of the search (0, 8, 16 or 32 one-bit steps, or 8, 16 or 21 steps
-of a ternary search that makes two counts per sum; no early end), the max-pooling gather (or one load per
+of a ternary search that makes two counts per sum; no early end, and 32 one-bit steps that end once a count
+lands on k, as the library's search does, with the steps taken), the max-pooling gather (or one load per
 block), and the final ordered write (two cumulative sums; or a plain masked store). Each variant is launched
 20 times inside one CUDA graph; the time per launch (graph replay / 20) and the kernel's own duration from the
 profiler are printed, so the cost of each part is the difference between two variants.
@@ -36,6 +37,7 @@ def _select_variant(
     pos,
     STEPS: tl.constexpr,
     TERNARY: tl.constexpr,
+    EARLY_END: tl.constexpr,
     GATHER: tl.constexpr,
     ORDERED_WRITE: tl.constexpr,
     BLOCK_NB: tl.constexpr,
@@ -72,6 +74,18 @@ def _select_variant(
             hi = tl.where(n2 >= k_sel, hi, tl.where(n1 >= k_sel, c2, c1))
             lo = tl.where(n2 >= k_sel, c2, tl.where(n1 >= k_sel, c1, lo))
         v = lo.to(tl.int32)
+    elif EARLY_END:  # one bit per sum, ending once a count lands on k (the library's search)
+        v = tl.full([], -2147483648, tl.int32)
+        one = tl.full([], 1, tl.int32)
+        step = 0
+        count = n_blocks
+        while (step < STEPS) & (count != k_sel):
+            cand = v + (one << (31 - step))
+            n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
+            v = tl.where(n_ge >= k_sel, cand, v)
+            count = tl.where(n_ge >= k_sel, n_ge, count)
+            step += 1
+        tl.store(idx_ptr + tl.num_programs(0) * BLOCK_NB + row + tl.arange(0, 1), step + tl.zeros([1], tl.int32))
     else:  # one bit per sum
         v = tl.full([], -2147483648, tl.int32)
         one = tl.full([], 1, tl.int32)
@@ -97,21 +111,25 @@ def main() -> None:
     t, n_rows, launches = 131072, 2, 20
     n1, n_blocks, k_sel = (t - 32) // 16 + 1, t // 64, 96
     scores = torch.rand(n_rows, n1, device="cuda") * 1e-3
-    idx = torch.empty(n_rows, n_blocks, dtype=torch.int32, device="cuda")
+    idx = torch.empty(n_rows * n_blocks + n_rows, dtype=torch.int32, device="cuda")  # the steps taken at the end
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": n_rows}
-    variants = [(steps, False, gather, ordered) for steps, gather, ordered in itertools.product(
+    variants = [(steps, False, False, gather, ordered) for steps, gather, ordered in itertools.product(
         (0, 8, 16, 32), (True, False), (True, False)
-    )] + [(steps, True, True, True) for steps in (8, 16, 21)]  # fmt: skip
-    for steps, ternary, gather, ordered in variants:
-        name = (
-            f"{'ternary' if ternary else 'bit'}_steps{steps}_{'gather' if gather else 'direct'}_"
-            f"{'ordered' if ordered else 'mask'}"
-        )
+    )] + [(steps, True, False, True, True) for steps in (8, 16, 21)] + [(32, False, True, True, False)]  # fmt: skip
+    for steps, ternary, early, gather, ordered in variants:
+        search = "ternary" if ternary else ("bit_early_end" if early else "bit")
+        name = f"{search}_steps{steps}_{'gather' if gather else 'direct'}_{'ordered' if ordered else 'mask'}"
 
-        def launch(steps: int = steps, ternary: bool = ternary, gather: bool = gather, ordered: bool = ordered) -> None:
+        def launch(
+            steps: int = steps,
+            ternary: bool = ternary,
+            early: bool = early,
+            gather: bool = gather,
+            ordered: bool = ordered,
+        ) -> None:
             _select_variant[(n_rows,)](
-                scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, TERNARY=ternary, GATHER=gather,
-                ORDERED_WRITE=ordered, BLOCK_NB=n_blocks, num_warps=8,
+                scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, TERNARY=ternary, EARLY_END=early,
+                GATHER=gather, ORDERED_WRITE=ordered, BLOCK_NB=n_blocks, num_warps=8,
             )  # fmt: skip
 
         stream = torch.cuda.Stream()
@@ -129,7 +147,10 @@ def main() -> None:
             torch.cuda.synchronize()
         durations = [e.time_range.end - e.time_range.start for e in prof.events() if e.device_type.name == "CUDA"]
         res[name] = {"per_launch_us": per_launch, "kernel_us": statistics.median(durations) if durations else None}
-        print(f"{name:<36} {per_launch:6.2f} us per launch, kernel {res[name]['kernel_us']}")
+        if early:
+            res[name]["steps_taken"] = idx[n_rows * n_blocks :].tolist()
+        steps_taken = res[name].get("steps_taken", "")
+        print(f"{name:<36} {per_launch:6.2f} us per launch, kernel {res[name]['kernel_us']} {steps_taken}")
     out = args.out if args.out.suffix == ".json" else args.out / "infllm_select_anatomy.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
