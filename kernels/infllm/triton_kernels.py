@@ -656,12 +656,12 @@ def _pool_select_kernel(
     blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores:
     lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us with all 32 counts (5.9 of
     it, about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``) and 8.9 us ending early after 25 on uniform
-    random scores. Slower or no faster there: 2 or 4 bits per step
-    from 3 or 15 counts made as separate sums (16.9 and 19.1 against 14.8 us per row, one launch replayed from a
-    graph), 2 bits from 3 counts packed into one sum of two int32 (11.8 against 11.6 us, back-to-back replays), 4
-    bits from 16 counts in 16-bit fields of four int64 sums (15.3 against 9.8 us in the decode step), and
-    ``tl.topk``'s bitonic network (16.4 against 11.7 us, back-to-back replays), and a ternary search making two
-    counts per sum in 16-bit fields of one int32 (21 steps of 0.27 us: 9.4 against 9.6 us for the row).
+    random scores. Slower or no faster there: 2 or 4 bits per step from 3 or 15 counts made as separate sums (16.9
+    and 19.1 against 14.8 us per row, one launch replayed from a graph), 2 bits from 3 counts packed into one sum
+    of two int32 (11.8 against 11.6 us, back-to-back replays), 4 bits from 16 counts in 16-bit fields of four int64
+    sums (15.3 against 9.8 us in the decode step), ``tl.topk``'s bitonic network (16.4 against 11.7 us, back-to-back
+    replays), and a ternary search making two counts per sum in 16-bit fields of one int32 (21 steps of 0.27 us:
+    9.4 against 9.6 us for the row).
     The chosen blocks are written in ascending order (future ones as -1).
     """
     if PDL:
