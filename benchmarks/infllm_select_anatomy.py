@@ -4,10 +4,11 @@ The selection kernel of ``salaquant.kernels.infllm`` (pool 8,191 stage-1 scores 
 init and local blocks, find the k-th largest pooled score, write the chosen blocks in order) is rebuilt here
 with parts switched off: the counting steps of the search (0, 8, 16 or 32 one-bit steps, or 8, 16 or 21 steps
 of a ternary search that makes two counts per sum; no early end, and 32 one-bit steps that end once a count
-lands on k, as the library's search does, with the steps taken), the max-pooling gather (or one load per
-block), and the final ordered write (two cumulative sums; or a plain masked store). Each variant is launched
-20 times inside one CUDA graph; the time per launch (graph replay / 20) and the kernel's own duration from the
-profiler are printed, so the cost of each part is the difference between two variants.
+lands on k, as the library's search does, with the steps taken), the max-pooling gather (five strided loads; one
+load per block; or the four windows of a block as one coalesced tile plus the window before), and the final
+ordered write (two cumulative sums; or a plain masked store). Each variant is launched 20 times inside one CUDA
+graph; the time per launch (graph replay / 20) and the kernel's own duration from the profiler are printed, so
+the cost of each part is the difference between two variants.
 
   python benchmarks/infllm_select_anatomy.py --out OUT.json
 """
@@ -46,11 +47,17 @@ def _select_variant(
     blocks = tl.arange(0, BLOCK_NB)
     in_range = blocks < n_blocks
     pooled = tl.full([BLOCK_NB], float("-inf"), dtype=tl.float32)
-    if GATHER:
+    if GATHER == 1:  # five strided loads, windows 4b - 1 + j (the library's)
         for j in tl.static_range(5):
             w = blocks * 4 - 1 + j
             ok = in_range & (w >= 0) & (w < n1)
             pooled = tl.maximum(pooled, tl.load(scores_ptr + row * n1 + w, mask=ok, other=float("-inf")))
+    elif GATHER == 2:  # windows 4b .. 4b + 3 as one [blocks, 4] tile (coalesced), then window 4b - 1
+        w4 = blocks[:, None] * 4 + tl.arange(0, 4)[None, :]
+        tile = tl.load(scores_ptr + row * n1 + w4, mask=in_range[:, None] & (w4 < n1), other=float("-inf"))
+        w = blocks * 4 - 1
+        prev = tl.load(scores_ptr + row * n1 + w, mask=in_range & (w >= 0) & (w < n1), other=float("-inf"))
+        pooled = tl.maximum(tl.max(tile, 1), prev)
     else:
         pooled = tl.load(scores_ptr + row * n1 + blocks, mask=in_range, other=float("-inf"))
     qb = pos // 64
@@ -114,11 +121,14 @@ def main() -> None:
     idx = torch.empty(n_rows * n_blocks + n_rows, dtype=torch.int32, device="cuda")  # the steps taken at the end
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": n_rows}
     variants = [(steps, False, False, gather, ordered) for steps, gather, ordered in itertools.product(
-        (0, 8, 16, 32), (True, False), (True, False)
-    )] + [(steps, True, False, True, True) for steps in (8, 16, 21)] + [(32, False, True, True, False)]  # fmt: skip
+        (0, 8, 16, 32), (1, 0), (True, False)
+    )] + [(steps, True, False, 1, True) for steps in (8, 16, 21)] + [(32, False, True, 1, False)] + [
+        (steps, False, False, 2, ordered) for steps, ordered in itertools.product((0, 32), (True, False))
+    ]  # fmt: skip
     for steps, ternary, early, gather, ordered in variants:
         search = "ternary" if ternary else ("bit_early_end" if early else "bit")
-        name = f"{search}_steps{steps}_{'gather' if gather else 'direct'}_{'ordered' if ordered else 'mask'}"
+        load = ("direct", "gather", "tile_gather")[gather]
+        name = f"{search}_steps{steps}_{load}_{'ordered' if ordered else 'mask'}"
 
         def launch(
             steps: int = steps,
