@@ -141,11 +141,10 @@ def test_paired_splits_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None
     from salaquant.kernels.nvfp4 import triton_kernels as tk
 
     monkeypatch.setattr(tk, "_programs_target", lambda device: 132)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tk, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 9))
     assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 4
     assert tk.default_config(1, 4096, 16384, "cuda", torch.bfloat16).split_k == 16
-    monkeypatch.setattr(tk, "_capability_major", lambda index: 8)
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 8))
     assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 2
 
 

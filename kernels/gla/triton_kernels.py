@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...model.gla import _check_inputs
+from ..device import INTERPRET as _INTERPRET
 from ..host import cdiv, next_power_of_2
 
 __all__ = ["CHUNK", "PRECISIONS", "chunk_fwd", "recurrent_fwd"]
@@ -39,8 +40,6 @@ CHUNK = 64
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
 """``tl.dot`` input precisions for fp32 operands (ignored for bf16/fp16 inputs)."""
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 Config = tuple[int, int, int, int]
 """A launch configuration ``(BK, BV, num_warps, num_stages)``."""

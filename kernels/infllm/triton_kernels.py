@@ -26,9 +26,7 @@ finite ``-1e30`` so that fully masked tiles stay NaN-free. Base offsets are int6
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
@@ -38,6 +36,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from salaquant.model.sparse_attention import SparseParams, forced_blocks
 
+from ..device import INTERPRET as _INTERPRET
+from ..device import cuda_facts
 from ..host import cdiv, next_power_of_2
 
 __all__ = ["block_sparse_attention", "pool_select", "stage1_scores"]
@@ -57,18 +57,10 @@ rows at 128K context took 15.7 against 19.2 us per replay of a CUDA graph of the
 15.5)."""
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).major
-
-
 def _pdl(device: torch.device) -> dict[str, bool]:
     """``PDL`` and ``launch_pdl`` launch arguments: on where ``USE_PDL`` is set and the GPU is sm_90 or newer."""
     on = USE_PDL and device.type == "cuda" and not _INTERPRET
-    on = on and _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    on = on and cuda_facts(device)[1] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -44,7 +44,6 @@ Offsets are 32-bit: each of ``x``, ``weight``, the output and the split-K worksp
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -52,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ..counters import arrival_counters
+from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
@@ -357,23 +357,11 @@ class NVFP4Config:
             raise ValueError("split_k and group_n must be >= 1")
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    """Compute capability major of a CUDA device."""
-    return torch.cuda.get_device_properties(device_index).major
-
-
 def _programs_target(device: torch.device) -> int:
     """Programs that fill the device once (the SM count; 8 on the CPU interpreter)."""
     if device.type != "cuda":
         return 8
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_facts(device)[0]
 
 
 def _pick_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
@@ -404,8 +392,7 @@ def default_config(
         bn, bk = PAIRED_TILE
         split = _pick_split(cdiv(n, bn), cdiv(k, bk), 4 * sms, 1)
         if dev.type == "cuda":
-            major = _capability_major(dev.index if dev.index is not None else torch.cuda.current_device())
-            split = PAIRED_SPLITS.get((major, k, n), split)
+            split = PAIRED_SPLITS.get((_cuda_facts(dev)[1], k, n), split)
         return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
     if m <= GEMV_MAX_M:
         bn, bk = 32, 256

@@ -41,14 +41,14 @@ shape): run each shape once before capturing a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ..counters import arrival_counters
+from ..device import INTERPRET as _INTERPRET
+from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv, next_power_of_2
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
@@ -88,7 +88,6 @@ PAIRED_CONFIG = {"block_n": 256, "block_k": 64, "num_warps": 4}
 bf16 row, group 128) in ``benchmarks/w4a16_paired.py --sweep`` on an H200, with ``_PAIRED_MIN_TILES``."""
 _PAIRED_MIN_TILES = 4  # o_proj (K = 4096): 16 splits of 4 tiles, 6.8 us, against 32 of 2
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
 _MIN_TILES_PER_SPLIT = 2  # and gives every program at least this many K tiles when it can
 _CPU_SMS = 4  # stands in for the SM count under the interpreter
@@ -556,23 +555,12 @@ def _dequant_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 # Host side
 
-_CUDA_FACTS: dict[int, tuple[int, int]] = {}
-
 
 def _tiled_fills(m: int, n: int, device: torch.device) -> bool:
     """Whether the tiled kernel has at least one 128 x 128 output tile per SM. On an H200 (132 SMs) at M = 128
     it has 256 on gate_up (4096 -> 32768) and runs it in 103 us against 164 for dequantize + ``torch.matmul``;
     96 on lightning qkv (70 against 65 us), 32 on down and o_proj (220 against 90, 49 against 24 us)."""
     return cdiv(m, 128) * cdiv(n, 128) >= _sm_count(device)
-
-
-def _cuda_facts(device: torch.device) -> tuple[int, int]:
-    """``(SM count, compute capability major)`` of a CUDA device, read once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CUDA_FACTS:
-        props = torch.cuda.get_device_properties(index)
-        _CUDA_FACTS[index] = (props.multi_processor_count, props.major)
-    return _CUDA_FACTS[index]
 
 
 def _sm_count(device: torch.device) -> int:
