@@ -211,9 +211,13 @@ def test_reference_matches_gptq_packing(bits: int, group_size: int) -> None:
     assert torch.equal(w, w_gptq), f"seed={seed}"
     x = torch.randn(5, k, generator=gen).half()
     got = w4a16_matmul_reference(x, tensors["qweight"], tensors["scales"], bits, group_size)
-    torch.testing.assert_close(
-        got, (x.float() @ w_gptq.T).half(), rtol=1e-3, atol=1e-5, msg=lambda s: f"seed={seed}: {s}"
-    )
+    # The product in float64 against the reference's fp32 sum rounded to fp16: the error can be at most
+    # the fp32 summation bound k * 2^-24 * (|x| @ |W|^T) plus half an fp16 ulp of the result (2^-11 relative,
+    # 2^-25 absolute below the normal range). Any fixed tolerance is too tight where the sum cancels.
+    exact = x.double() @ w_gptq.double().T
+    bound = k * 2.0**-24 * (x.double().abs() @ w_gptq.double().abs().T) + exact.abs() * 2.0**-11 + 2.0**-25
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"seed={seed}: worst excess {(err - bound).max().item():.3g}"
 
 
 def test_dispatch() -> None:
