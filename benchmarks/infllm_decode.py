@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from results import write_results
 from salaquant.kernels import infllm
 from salaquant.kernels.infllm import triton_kernels
 from torch.profiler import ProfilerActivity, profile
@@ -179,10 +179,7 @@ def main() -> None:
         diff = res["variants_max_abs_diff"].get(name, float("nan"))
         text = val if isinstance(val, str) else f"{val['replay']:.1f} / {val['back_to_back']:.1f} us"
         print(f"  {name:<28} {text} (diff {diff:.2g})")
-    out = args.out if args.out.suffix == ".json" else args.out / "infllm_decode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, "infllm_decode.json", res)
 
 
 if __name__ == "__main__":

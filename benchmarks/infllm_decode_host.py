@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from results import write_results
 from salaquant.kernels import infllm
 from salaquant.kernels.infllm import triton_kernels
 
@@ -104,9 +104,7 @@ def main() -> None:
     for name, us in res["per_call_us"].items():
         print(f"{name:<24} {us:8.1f} us per eager call")
     print(res["cprofile_step_auto_200_calls"])
-    out = args.out if args.out.suffix == ".json" else args.out / "infllm_decode_host.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_results(args.out, "infllm_decode_host.json", res)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+from results import write_results
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
@@ -161,9 +161,7 @@ def main() -> None:
             res[name]["steps_taken"] = idx[n_rows * n_blocks :].tolist()
         steps_taken = res[name].get("steps_taken", "")
         print(f"{name:<36} {per_launch:6.2f} us per launch, kernel {res[name]['kernel_us']} {steps_taken}")
-    out = args.out if args.out.suffix == ".json" else args.out / "infllm_select_anatomy.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_results(args.out, "infllm_select_anatomy.json", res)
 
 
 if __name__ == "__main__":

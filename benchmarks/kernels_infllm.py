@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from infllm_decode import capture_graph
+from results import write_results
 from salaquant.kernels import infllm
 from salaquant.kernels.infllm import triton_kernels
 from triton.testing import do_bench
@@ -329,10 +329,7 @@ def main() -> None:
         for key, val in res["sweep"].items():
             print(f"  {key}: {val if isinstance(val, str) else f'{val:.3f}'}")
 
-    out = args.out if args.out.suffix == ".json" else args.out / "kernels_infllm.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, "kernels_infllm.json", res)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from results import write_results
 from salaquant.kernels.nvfp4 import DEQUANT_MIN_M, nvfp4_matmul, nvfp4_matmul_reference
 from salaquant.kernels.nvfp4 import triton_kernels as tk
 from triton.testing import do_bench, do_bench_cudagraph
@@ -255,10 +255,7 @@ def main() -> None:
         "gemv_max_m": tk.GEMV_MAX_M,
         "rows": rows,
     }
-    out = args.out if args.out.suffix == ".json" else args.out / "kernels_nvfp4.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, "kernels_nvfp4.json", res)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from results import write_results
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
 
@@ -177,10 +177,7 @@ def main() -> None:
         "dequant_min_m": tk.DEQUANT_MIN_M,
         "rows": rows,
     }
-    out = args.out if args.out.suffix == ".json" else args.out / "kernels_w4a16.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, "kernels_w4a16.json", res)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ emulation on the same GPU.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from kernels_w4a16 import COPIES, GROUP, SHAPES, _time_us
+from results import write_results
 from salaquant.kernels.w4a16 import triton_kernels as tk
 
 SWEEP = [
@@ -116,10 +116,7 @@ def main() -> None:
             if "paired_sweep_us" in row:
                 ranked = sorted((v, c) for c, v in row["paired_sweep_us"].items() if isinstance(v, float))
                 print("   best launches: " + ", ".join(f"{c} {v:.1f}" for v, c in ranked[:8]), flush=True)
-    out = args.out if args.out.suffix == ".json" else args.out / "w4a16_paired.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, "w4a16_paired.json", {"device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":
