@@ -7,14 +7,13 @@ the dequantize-then-matmul result and timed in a CUDA graph over 4 rotated weigh
 The table lists the fastest configurations per shape; the JSON holds all of them. This is what the default
 configuration table in ``triton_kernels`` is chosen from.
 
-  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds wleft]
+  python benchmarks/w4a16_sweep.py --out OUT [--shapes gate_up down] [--m 1 16] [--kinds wleft] [--wide]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from results import write_results
 from salaquant.kernels.w4a16 import triton_kernels as tk
 
 SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096), "lightning_qkv": (4096, 12288), "o_proj": (4096, 4096)}
@@ -59,10 +59,11 @@ def eager_us(fn: Callable[[int], object]) -> float:
     return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=50, return_mode="median") * 1e3
 
 
-def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft")) -> list[dict]:
+def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft"), wide: bool = False) -> list[dict]:
     """Configurations of the kinds asked for: ``gemv`` (CUDA-core reduction, M = 1), ``flat`` (``tl.dot`` on
     the activation side) and ``wleft`` (the weights as the MMA's left operand, ``split_k`` None = the default,
-    ``ahead`` tiles of words loaded ahead of the math, the default single pipeline stage)."""
+    ``ahead`` tiles of words loaded ahead of the math, the default single pipeline stage; ``wide`` adds 256-column
+    tiles, 64-row K tiles and 2 or 3 pipeline stages)."""
     out = []
     if m == 1 and "gemv" in kinds:
         for bn, bk, t, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (2, 4)):
@@ -73,6 +74,23 @@ def candidates(m: int, kinds: tuple[str, ...] = ("gemv", "flat", "wleft")) -> li
     if "wleft" in kinds:
         for bn, split, w, ahead in itertools.product((32, 64, 128), (None, 1, 2, 4), (4, 8), (1, 2)):
             out.append(dict(kernel="wleft", block_n=bn, split_k=split, num_warps=w, ahead=ahead))
+        if wide:
+            for bn, bk, split, w, ahead, stages in itertools.product(
+                (64, 128, 256), (64, 128), (None, 1, 2), (4, 8), (1, 2), (1, 2, 3)
+            ):
+                if (bn, bk, stages) == (256, 128, 1) or (bn != 256 and bk == 128 and stages == 1):
+                    continue  # 128-row tiles of up to 128 columns in one stage are the list above
+                out.append(
+                    dict(
+                        kernel="wleft",
+                        block_n=bn,
+                        block_k=bk,
+                        split_k=split,
+                        num_warps=w,
+                        ahead=ahead,
+                        num_stages=stages,
+                    )
+                )
     return out
 
 
@@ -84,7 +102,17 @@ def _run(cfg: dict) -> Callable[..., torch.Tensor]:
 
 
 def sweep_case(
-    name: str, k: int, n: int, m: int, qw: list, sc: list, dense: list, top: int, t0: float, kinds: tuple[str, ...]
+    name: str,
+    k: int,
+    n: int,
+    m: int,
+    qw: list,
+    sc: list,
+    dense: list,
+    top: int,
+    t0: float,
+    kinds: tuple[str, ...],
+    wide: bool = False,
 ) -> dict:
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     ref = F.linear(x, dense[0]).float()
@@ -95,7 +123,7 @@ def sweep_case(
         "default_eager": eager_us(lambda i: tk.matmul(x, qw[i], sc[i], 4, GROUP)),
     }
     results = []
-    for cfg in candidates(m, kinds):
+    for cfg in candidates(m, kinds, wide):
         try:
             run = _run(cfg)
             y = run(x, qw[0], sc[0]).float()
@@ -127,6 +155,7 @@ def main() -> None:
     ap.add_argument("--m", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--kinds", nargs="+", default=["gemv", "flat", "wleft"], choices=["gemv", "flat", "wleft"])
+    ap.add_argument("--wide", action="store_true", help="more wleft tiles, K tiles and pipeline stages")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []
@@ -137,10 +166,13 @@ def main() -> None:
         sc = [(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 1e-3).half() for _ in range(COPIES)]
         dense = [tk.dequantize(qw[i], sc[i], 4, GROUP).contiguous() for i in range(COPIES)]
         for m in args.m:
-            rows.append(sweep_case(name, k, n, m, qw, sc, dense, args.top, t0, tuple(args.kinds)))
-    out = args.out if args.out.suffix == ".json" else args.out / "w4a16_sweep.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}))
+            rows.append(sweep_case(name, k, n, m, qw, sc, dense, args.top, t0, tuple(args.kinds), args.wide))
+    write_results(
+        args.out,
+        "w4a16_sweep.json",
+        {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows},
+        indent=None,
+    )
 
 
 if __name__ == "__main__":
