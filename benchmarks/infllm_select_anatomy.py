@@ -6,7 +6,9 @@ with parts switched off: the counting steps of the search (0, 8, 16 or 32 one-bi
 of a ternary search that makes two counts per sum; no early end, and 32 one-bit steps that end once a count
 lands on k, as the library's search does, with the steps taken), the max-pooling gather (five strided loads; one
 load per block; or the four windows of a block as one coalesced tile plus the window before), and the final
-ordered write (two cumulative sums; or a plain masked store). Each variant is launched 20 times inside one CUDA
+ordered write (two cumulative sums; or a plain masked store); and radix selects of 4, 8 or 11 bits per pass
+(a histogram of the digit, a reverse cumulative sum and one reduction per pass; each must choose the blocks the
+32-step bit search chooses, checked before timing). Each variant is launched 20 times inside one CUDA
 graph; the time per launch (graph replay / 20) and the kernel's own duration from the profiler are printed, so
 the cost of each part is the difference between two variants.
 
@@ -29,6 +31,39 @@ from triton.testing import do_bench
 
 
 @triton.jit
+def _sum_and_min(a_sum, a_min, b_sum, b_min):
+    return a_sum + b_sum, tl.minimum(a_min, b_min)
+
+
+@triton.jit
+def _radix_kth(ordered, in_range, n_blocks, k_sel, RADIX: tl.constexpr):
+    """The ``k_sel``-th largest of the int32 images ``ordered`` (where ``in_range``), ``RADIX`` bits per pass from
+    the top: a histogram of the pass's digit over the images that share the digits found so far, a reverse
+    cumulative sum (how many have each digit or a larger one), and one reduction that finds the digit holding the
+    k-th and how many of those images lie above it."""
+    NBINS: tl.constexpr = 1 << RADIX
+    PASSES: tl.constexpr = (32 + RADIX - 1) // RADIX
+    u = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = signed order of the images
+    live = in_range
+    need = k_sel  # how many of the live images are still to be taken
+    v_u = tl.zeros([], tl.uint32)
+    for p in tl.static_range(PASSES):
+        shift = 32 - (p + 1) * RADIX if (p + 1) * RADIX < 32 else 0
+        width = RADIX if (p + 1) * RADIX <= 32 else 32 - p * RADIX
+        digit = ((u >> shift) & ((1 << width) - 1)).to(tl.int32)
+        hist = tl.histogram(digit, NBINS, mask=live)
+        ge = tl.cumsum(hist, 0, reverse=True)  # live images whose digit is >= d
+        sat = ge >= need  # d <= d*, the digit of the k-th
+        # count(d <= d*) and, as the images above a digit only shrink with it, count(digit > d*)
+        n_sat, gt_star = tl.reduce((sat.to(tl.int32), tl.where(sat, ge - hist, 2147483647)), 0, _sum_and_min)
+        d_star = n_sat - 1
+        need = need - gt_star  # the live images with a larger digit are all taken
+        live = live & (digit == d_star)
+        v_u = v_u | (d_star.to(tl.uint32) << shift)
+    return v_u.to(tl.int32, bitcast=True) ^ -2147483648
+
+
+@triton.jit
 def _select_variant(
     scores_ptr,
     idx_ptr,
@@ -42,6 +77,7 @@ def _select_variant(
     GATHER: tl.constexpr,
     ORDERED_WRITE: tl.constexpr,
     BLOCK_NB: tl.constexpr,
+    RADIX: tl.constexpr = 0,
 ):
     row = tl.program_id(0).to(tl.int64)
     blocks = tl.arange(0, BLOCK_NB)
@@ -66,7 +102,9 @@ def _select_variant(
     bits = pooled.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     ordered = tl.where(in_range, ordered, -2147483648)
-    if TERNARY:  # two counts per sum (16-bit fields of one int32), the interval cut in thirds
+    if RADIX > 0:  # radix select: RADIX bits of the k-th largest image per pass, from one histogram each
+        v = _radix_kth(ordered, in_range, n_blocks, k_sel, RADIX)
+    elif TERNARY:  # two counts per sum (16-bit fields of one int32), the interval cut in thirds
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)
         for _ in tl.static_range(STEPS):
@@ -125,8 +163,10 @@ def main() -> None:
     )] + [(steps, True, False, 1, True) for steps in (8, 16, 21)] + [(32, False, True, 1, False)] + [
         (steps, False, False, 2, ordered) for steps, ordered in itertools.product((0, 32), (True, False))
     ]  # fmt: skip
-    for steps, ternary, early, gather, ordered in variants:
-        search = "ternary" if ternary else ("bit_early_end" if early else "bit")
+    variants = [(*v, 0) for v in variants] + [(0, False, False, 1, True, radix) for radix in (4, 8, 11)]
+    reference = None  # the chosen blocks of the 32-step bit search, which every radix search must reproduce
+    for steps, ternary, early, gather, ordered, radix in variants:
+        search = f"radix{radix}" if radix else ("ternary" if ternary else ("bit_early_end" if early else "bit"))
         load = ("direct", "gather", "tile_gather")[gather]
         name = f"{search}_steps{steps}_{load}_{'ordered' if ordered else 'mask'}"
 
@@ -136,12 +176,21 @@ def main() -> None:
             early: bool = early,
             gather: bool = gather,
             ordered: bool = ordered,
+            radix: int = radix,
         ) -> None:
             _select_variant[(n_rows,)](
                 scores, idx, n1, n_blocks, k_sel, t - 1, STEPS=steps, TERNARY=ternary, EARLY_END=early,
-                GATHER=gather, ORDERED_WRITE=ordered, BLOCK_NB=n_blocks, num_warps=8,
+                GATHER=gather, ORDERED_WRITE=ordered, BLOCK_NB=n_blocks, RADIX=radix, num_warps=8,
             )  # fmt: skip
 
+        if (steps, ternary, early, gather, ordered, radix) == (32, False, False, 1, True, 0) or radix:
+            idx.fill_(-7)
+            launch()
+            chosen = idx[: n_rows * k_sel].clone()
+            if reference is None:
+                reference = chosen
+            elif not torch.equal(chosen, reference):
+                raise SystemExit(f"{name} chose other blocks than the 32-step bit search")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
