@@ -4,7 +4,7 @@ Prints registers, spills, shared memory and a histogram of the SASS memory and m
 tensor-core ops), which is what decides a memory-bound kernel's speed before any device time is spent. Integer
 arguments and pointers are declared 16-divisible, as the Triton launcher specializes them at SALA shapes.
 
-  python benchmarks/sass_report.py salaquant.kernels.w4a16.triton_kernels:_gemv_kernel \
+  python benchmarks/sass_report.py salaquant.kernels.w4a16.gemv:gemv_kernel \
       --sig x_ptr=*bf16 w_ptr=*i32 ... --const BITS=4 GROUP_SIZE=128 --warps 4 [--sass FILE]
 """
 
