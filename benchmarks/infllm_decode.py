@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 from results import write_results
 from salaquant.kernels import infllm
-from salaquant.kernels.infllm import triton_kernels
+from salaquant.kernels.infllm import launch, triton_kernels
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
@@ -118,12 +118,12 @@ def main() -> None:
     res["sparse_timeline_us"] = _timeline(g_sparse)
     res["dense_timeline_us"] = _timeline(g_dense)
     # the same step with every kernel launched plainly (no programmatic dependent launch)
-    triton_kernels.USE_PDL = False
+    launch.USE_PDL = False
     g_plain = capture_graph(sparse)
     res["sparse_no_pdl_replay_us"] = _replay_us(g_plain)
     res["sparse_no_pdl_back_to_back_us"] = _back_to_back_us(g_plain)
     res["sparse_no_pdl_timeline_us"] = _timeline(g_plain)
-    triton_kernels.USE_PDL = True
+    launch.USE_PDL = True
 
     # launch choices, each kernel in a graph of its own, with its largest difference from the default launch
     q_start = t - 1

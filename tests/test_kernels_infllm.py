@@ -1,5 +1,6 @@
 """InfLLM-v2 Triton kernels against the PyTorch reference (interpreter on CPU, native on CUDA)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -23,10 +24,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 SMALL = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
 
 
-def _kernels():
-    from salaquant.kernels.infllm import triton_kernels
-
-    return triton_kernels
+def _kernels(module: str = "triton_kernels"):
+    """A module of the Triton package (imported only where the kernels run)."""
+    return importlib.import_module(f"salaquant.kernels.infllm.{module}")
 
 
 def _qkv(b: int, tq: int, tk: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: str = DEV):
@@ -86,7 +86,7 @@ def test_stage1_merges_lse_parts_in_several_loads(monkeypatch: pytest.MonkeyPatc
     q, k, _ = _qkv(1, 1, 1600, 2, 4, 16, torch.float32)
     k1, k2 = _compressed(k, SMALL)
     assert -(-k2.shape[1] // 16) == 7
-    monkeypatch.setattr(_kernels(), "LSE_PARTS_PER_LOAD", 2)
+    monkeypatch.setattr(_kernels("stage1"), "LSE_PARTS_PER_LOAD", 2)
     got = _kernels().stage1_scores(q, k1, k2, 1599, SMALL, num_splits=7, block_n=16)
     torch.testing.assert_close(got, ref.stage1_scores(q, k1, k2, 1599, SMALL), **SCORE_TOL)
 
@@ -183,7 +183,7 @@ def test_without_forced_keeps_the_rest() -> None:
     """Hand-made rows: forced blocks (init 0, window qb-2..qb) leave, the others stay, longest row kept."""
     idx = torch.tensor([[[[0, 3, 7, 8, 9], [0, 1, 2, 5, 9], [0, 6, 7, 8, 9]]]])
     # SMALL: block 16, init 1, local 2; queries at 158, 159, 160 -> qb 9, 9, 10
-    got = _kernels()._without_forced(idx, 158, SMALL)
+    got = _kernels("stage2")._without_forced(idx, 158, SMALL)
     assert got.dtype == torch.int32 and got.shape == (1, 1, 3, 3)  # the longest row keeps 3
     assert got[0, 0, 0].tolist() == [3, -1, -1]
     assert got[0, 0, 1].tolist() == [5, 2, 1]
@@ -200,7 +200,7 @@ def test_stage2_merges_splits_in_several_loads(monkeypatch: pytest.MonkeyPatch) 
     q_start = tk - tq
     idx = _select(ref.stage1_scores(q, k1, k2, q_start, params), q_start, tk, params).to(torch.int32)
     assert idx.shape[-1] > 16  # > MERGE_SPLITS_PER_LOAD below
-    monkeypatch.setattr(_kernels(), "MERGE_SPLITS_PER_LOAD", 16)
+    monkeypatch.setattr(_kernels("stage2"), "MERGE_SPLITS_PER_LOAD", 16)
     out = torch.full_like(q, float("nan"))
     got = _kernels().block_sparse_attention(q, k, v, idx, q_start, params, out=out, num_splits=idx.shape[-1])
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, params), **_tol(q.dtype))
@@ -230,14 +230,15 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
     """A prefill long enough takes the sliding-window kernel by default, and ``local_dense=False`` does not."""
     tq = tk = infllm.LOCAL_DENSE_MIN_QUERIES + 40
     q, k, v = _qkv(1, tq, tk, 2, 2, 16, torch.float32)
-    kernel, launches = _kernels()._local_attention_kernel, []
+    stage2 = _kernels("stage2")
+    kernel, launches = stage2._local_attention_kernel, []
 
     class Spy:
         def __getitem__(self, grid: tuple[int, ...]) -> object:
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(_kernels(), "_local_attention_kernel", Spy())
+    monkeypatch.setattr(stage2, "_local_attention_kernel", Spy())
     got = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton")
     assert len(launches) == 1  # the sliding-window kernel ran
     k1, k2 = _compressed(k, SMALL)

@@ -1,0 +1,33 @@
+"""What the InfLLM-v2 kernels' launchers share: programmatic dependent launch, tile sizes, head checks."""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import INTERPRET, cuda_facts
+from ..host import next_power_of_2
+
+__all__ = ["LOG2E", "USE_PDL", "check_heads", "pdl_args", "pow2"]
+
+LOG2E = 1.4426950408889634
+USE_PDL = True
+"""Launch each kernel that reads an earlier one's output with programmatic dependent launch on Hopper and newer
+GPUs: it is scheduled while its predecessor runs (which signals at its start) and waits (``griddepcontrol.wait``)
+before its first global access, so the launch latency between the kernels of a decode step overlaps."""
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """``PDL`` and ``launch_pdl`` launch arguments: on where ``USE_PDL`` is set and the GPU is sm_90 or newer."""
+    on = USE_PDL and device.type == "cuda" and not INTERPRET
+    on = on and cuda_facts(device)[1] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def pow2(x: int, floor: int = 16) -> int:
+    return max(floor, next_power_of_2(max(1, x)))
+
+
+def check_heads(hq: int, hkv: int) -> int:
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    return hq // hkv

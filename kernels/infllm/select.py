@@ -1,0 +1,162 @@
+"""InfLLM-v2 block selection in Triton: block max-pooling, forced blocks and top-k in one kernel (``pool_select``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from salaquant.model.sparse_attention import SparseParams
+
+from ..host import cdiv
+from .launch import pdl_args, pow2
+
+__all__ = ["FEW_ROWS", "pool_select"]
+
+FEW_ROWS = 128
+"""Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
+rows at 128K context took 15.7 against 19.2 us per replay of a CUDA graph of the launch on an H200 (16 warps:
+15.5)."""
+
+
+@triton.jit
+def _pool_select_kernel(
+    scores_ptr,
+    idx_ptr,
+    tq,
+    n1,
+    n_blocks,
+    k_sel,
+    q_start,
+    stride_sb,
+    stride_st,
+    stride_sn,
+    stride_ib,
+    stride_it,
+    stride_is,
+    R: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    INIT_BLOCKS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
+
+    Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
+    the ``k``-th largest image, one bit per step in up to 32 dependent counts over the row (int32 throughout); the
+    blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores:
+    lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us with all 32 counts (5.9 of
+    it, about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``) and 8.9 us ending early after 25 on uniform
+    random scores. Slower or no faster there: 2 or 4 bits per step from 3 or 15 counts made as separate sums (16.9
+    and 19.1 against 14.8 us per row, one launch replayed from a graph), 2 bits from 3 counts packed into one sum
+    of two int32 (11.8 against 11.6 us, back-to-back replays), 4 bits from 16 counts in 16-bit fields of four int64
+    sums (15.3 against 9.8 us in the decode step), ``tl.topk``'s bitonic network (16.4 against 11.7 us, back-to-back
+    replays), and a ternary search making two counts per sum in 16-bit fields of one int32 (21 steps of 0.27 us:
+    9.4 against 9.6 us for the row).
+    The chosen blocks are written in ascending order (future ones as -1).
+    """
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    t_idx = pid_t.to(tl.int64)
+    blocks = tl.arange(0, BLOCK_NB)
+    in_range = blocks < n_blocks
+    row = scores_ptr + pid_bh * stride_sb + t_idx * stride_st
+    pooled = tl.full([BLOCK_NB], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(R + 1):
+        w = blocks * R - 1 + j  # K1 windows [R*b - 1, R*b + R - 1]
+        ok = in_range & (w >= 0) & (w < n1)
+        pooled = tl.maximum(pooled, tl.load(row + w * stride_sn, mask=ok, other=float("-inf")))
+    pooled = tl.where(pooled == float("-inf"), 0.0, pooled)  # no window: score 0
+    qb = (q_start + t_idx) // BLOCK_SIZE
+    forced = (blocks < INIT_BLOCKS) | ((blocks >= qb - LOCAL_BLOCKS) & (blocks <= qb))
+    pooled = tl.where(forced, float("inf"), pooled)
+
+    bits = pooled.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as signed integers
+    # blocks past n_blocks take INT32_MIN (no float's image), below every candidate tried: never counted
+    ordered = tl.where(in_range, ordered, -2147483648)
+    # v = the largest image with count(ordered >= v) >= k, built from its top bit down: a step tries v + 2^(31-step)
+    # (the lower bits of v are still zero, so the sum never carries; int32 wraps at step 0, INT32_MIN + 2^31 = 0)
+    # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k. A count of exactly k ends
+    # the search early: the images >= v are then the top k, ties and all.
+    v = tl.full([], -2147483648, tl.int32)
+    one = tl.full([], 1, tl.int32)
+    step = 0
+    count = n_blocks
+    while (step < 32) & (count != k_sel):
+        cand = v + (one << (31 - step))
+        n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
+        v = tl.where(n_ge >= k_sel, cand, v)
+        count = tl.where(n_ge >= k_sel, n_ge, count)
+        step += 1
+    above = (ordered > v) & in_range
+    tied = (ordered == v) & in_range
+    if count == k_sel:  # every block equal to v is chosen: no tie to break
+        chosen = above | tied
+    else:
+        need = k_sel - tl.sum(above.to(tl.int32), 0)
+        chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= need))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    out = tl.where(blocks > qb, -1, blocks)
+    tl.store(idx_ptr + pid_bh * stride_ib + t_idx * stride_it + slot.to(tl.int64) * stride_is, out, mask=chosen)
+
+
+def pool_select(
+    scores: Tensor,
+    q_start: int,
+    tk: int,
+    params: SparseParams,
+    *,
+    out: Tensor | None = None,
+    num_warps: int | None = None,
+) -> Tensor:
+    """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
+
+    Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
+    one program per (query, batch * KV head); a row costs up to 32 dependent counts over
+    ``next_power_of_2(n_blocks)`` pooled scores (fewer when a count lands on ``k`` exactly). ``num_warps`` defaults
+    to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that shape; a slice along
+    ``Tq`` of a contiguous selection will do) receives the result.
+    """
+    b, hkv, tq, n1 = scores.shape
+    n_blocks = cdiv(tk, params.block_size)
+    k_sel = min(params.total_topk, n_blocks)
+    shape = (b, hkv, tq, k_sel)
+    if out is None:
+        idx = torch.empty(shape, dtype=torch.int32, device=scores.device)
+    elif out.shape != shape or out.dtype != torch.int32 or out.stride(0) != hkv * out.stride(1):
+        raise ValueError(
+            f"out must be int32 {shape} with mergeable batch and head strides, got {out.dtype} {tuple(out.shape)} "
+            f"strides {out.stride()}"
+        )
+    else:
+        idx = out
+    if b * hkv * tq == 0 or k_sel == 0:
+        return idx
+    flat = scores.reshape(b * hkv, tq, n1)
+    rows = idx.view(b * hkv, tq, k_sel)
+    _pool_select_kernel[(tq, b * hkv)](
+        flat,
+        rows,
+        tq,
+        n1,
+        n_blocks,
+        k_sel,
+        q_start,
+        *flat.stride(),
+        *rows.stride(),
+        R=params.pool_ratio,
+        BLOCK_SIZE=params.block_size,
+        INIT_BLOCKS=params.init_blocks,
+        LOCAL_BLOCKS=params.local_blocks,
+        BLOCK_NB=pow2(n_blocks),
+        num_warps=num_warps if num_warps is not None else (8 if b * hkv * tq < FEW_ROWS else 4),
+        **pdl_args(scores.device),
+    )
+    return idx
