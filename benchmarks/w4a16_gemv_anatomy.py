@@ -31,16 +31,7 @@ from kernels_w4a16 import COPIES, GROUP, SHAPES, _time_us
 from results import write_results
 from salaquant.kernels.paired_f16 import emulated_fma2, f16_pair, half, halves
 from salaquant.kernels.w4a16 import triton_kernels as tk
-from salaquant.kernels.w4a16.paired_gemv import (
-    C_HI_ADD,
-    C_HI_MASK,
-    C_HI_MUL,
-    C_LO_ADD,
-    C_LO_MASK,
-    C_LO_MUL,
-    C_MAGIC,
-    OUT_SCALE,
-)
+from salaquant.kernels.w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 from salaquant.kernels.w4a16.split_k import k_slice, split_k_store
 
 
@@ -85,18 +76,13 @@ _CONSTRAINTS = {c: tl.constexpr("=f," + ",".join(["r"] * (5 * c)) + ",f,f," + ",
 @triton.jit
 def _emulated_chain(ws, xs, scale, acc, C: tl.constexpr):
     """The interpreter's version of the chain PTX (per half fp32 math rounded to fp16 after each operation)."""
-    lo_mul = tl.full(ws[0].shape, C_LO_MUL, tl.int32)
-    lo_add = tl.full(ws[0].shape, C_LO_ADD, tl.int32)
-    hi_mul = tl.full(ws[0].shape, C_HI_MUL, tl.int32)
-    hi_add = tl.full(ws[0].shape, C_HI_ADD, tl.int32)
     p = tl.zeros(ws[0].shape, tl.int32)
     for w in tl.static_range(C):
-        words = ws[w]
-        q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
-        p = emulated_fma2(emulated_fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add), xs[4 * w], p)
-        p = emulated_fma2(emulated_fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add), xs[4 * w + 1], p)
-        p = emulated_fma2(emulated_fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add), xs[4 * w + 2], p)
-        p = emulated_fma2(emulated_fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add), xs[4 * w + 3], p)
+        a0, a1, a2, a3 = emulated_pairs(ws[w])
+        p = emulated_fma2(a0, xs[4 * w], p)
+        p = emulated_fma2(a1, xs[4 * w + 1], p)
+        p = emulated_fma2(a2, xs[4 * w + 2], p)
+        p = emulated_fma2(a3, xs[4 * w + 3], p)
     return (half(p, False) + half(p, True)) * scale + acc
 
 
@@ -188,15 +174,7 @@ def _variant_kernel(
             s = tl.load(s_ptr + (t * BLOCK_K // 128) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             s = tl.broadcast_to(s[None, :], shape)
             if ASM:
-                consts = (
-                    tl.full(shape, C_LO_MASK, tl.int32),
-                    tl.full(shape, C_MAGIC, tl.int32),
-                    tl.full(shape, C_HI_MASK, tl.int32),
-                    tl.full(shape, C_LO_MUL, tl.int32),
-                    tl.full(shape, C_LO_ADD, tl.int32),
-                    tl.full(shape, C_HI_MUL, tl.int32),
-                    tl.full(shape, C_HI_ADD, tl.int32),
-                )
+                consts = dequant_constants(shape)
                 acc = tl.inline_asm_elementwise(
                     PTX, CONSTRAINTS, ws + xs + (s, acc) + consts, dtype=tl.float32, is_pure=True, pack=1
                 )

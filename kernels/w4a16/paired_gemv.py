@@ -28,7 +28,7 @@ import triton.language as tl
 from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
 from .split_k import k_slice, load_words, split_k_store, tile_scales
 
-__all__ = ["OUT_SCALE", "paired_gemv_kernel", "word_dot"]
+__all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
 
 _MAGIC16 = 0x64006400  # a pair of fp16 1024.0
 _LO_MASK = 0x000F000F  # codes j and j + 4 (j = 0, or 2 after >> 8), each at bit 0 of its half
@@ -64,31 +64,52 @@ fma.rn.f16x2 a3, a3, $13, $14;
 
 
 @triton.jit
-def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
-    """``acc + scale * sum_j (code_j - 8) / 32 * x[j]`` (fp32) for int32 words of eight 4-bit codes; ``x0..x3``
-    are the fp16 pairs ``(x[j], x[j + 4])`` for ``j = 0..3``, all tensors of one shape."""
+def dequant_constants(shape: tl.constexpr):
+    """The seven int32 operands the dequantization PTX takes, in its order: low mask, magic pair, high mask, then
+    the low and high codes' paired multiply and add."""
+    return (
+        tl.full(shape, C_LO_MASK, tl.int32),
+        tl.full(shape, C_MAGIC, tl.int32),
+        tl.full(shape, C_HI_MASK, tl.int32),
+        tl.full(shape, C_LO_MUL, tl.int32),
+        tl.full(shape, C_LO_ADD, tl.int32),
+        tl.full(shape, C_HI_MUL, tl.int32),
+        tl.full(shape, C_HI_ADD, tl.int32),
+    )
+
+
+@triton.jit
+def emulated_pairs(words):
+    """The interpreter's dequantization: the fp16 pairs ``((c_j - 8) / 32, (c_{j+4} - 8) / 32)``, ``j = 0..3``, of
+    each int32 word (the PTX's operations, emulated per half)."""
+    q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
     lo_mul = tl.full(words.shape, C_LO_MUL, tl.int32)
     lo_add = tl.full(words.shape, C_LO_ADD, tl.int32)
     hi_mul = tl.full(words.shape, C_HI_MUL, tl.int32)
     hi_add = tl.full(words.shape, C_HI_ADD, tl.int32)
+    return (
+        emulated_fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add),
+        emulated_fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add),
+        emulated_fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add),
+        emulated_fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add),
+    )
+
+
+@triton.jit
+def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
+    """``acc + scale * sum_j (code_j - 8) / 32 * x[j]`` (fp32) for int32 words of eight 4-bit codes; ``x0..x3``
+    are the fp16 pairs ``(x[j], x[j + 4])`` for ``j = 0..3``, all tensors of one shape."""
     if ASM:
-        lo_mask = tl.full(words.shape, C_LO_MASK, tl.int32)
-        hi_mask = tl.full(words.shape, C_HI_MASK, tl.int32)
-        magic = tl.full(words.shape, C_MAGIC, tl.int32)
         return tl.inline_asm_elementwise(
             _WORD_PTX,
             "=f,r,r,r,r,r,f,f,r,r,r,r,r,r,r",
-            [words, x0, x1, x2, x3, scale, acc, lo_mask, magic, hi_mask, lo_mul, lo_add, hi_mul, hi_add],
+            (words, x0, x1, x2, x3, scale, acc) + dequant_constants(words.shape),  # noqa: RUF005
             dtype=tl.float32,
             is_pure=True,
             pack=1,
         )
     else:
-        q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
-        a0 = emulated_fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
-        a1 = emulated_fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
-        a2 = emulated_fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add)
-        a3 = emulated_fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add)
+        a0, a1, a2, a3 = emulated_pairs(words)
         p = emulated_fma2(a0, x0, tl.zeros(words.shape, tl.int32))
         p = emulated_fma2(a1, x1, p)
         p = emulated_fma2(a2, x2, p)

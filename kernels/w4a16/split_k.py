@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["k_slice", "load_words", "split_k_store", "tile_scales"]
+__all__ = ["finish_split_k", "k_slice", "load_words", "split_k_store", "tile_scales"]
 
 
 @triton.jit
@@ -34,15 +34,25 @@ def split_k_store(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
-        # Every thread's partial is stored before one thread publishes the count (release, GPU scope).
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
-        if done == n_split - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, n_split):
-                total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
+        finish_split_k(y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
+
+
+@triton.jit
+def finish_split_k(y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym):
+    """After this program stored its partial (``[splits, M, N]`` fp32, split = axis 1 of the grid) of the
+    ``[offs_m, offs_n]`` tile: count it in, and if it is the last of the tile's splits, write their sum to ``y``."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    n_split = tl.num_programs(1)
+    # Every thread's partial is stored before one thread publishes the count (release, GPU scope).
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
+    if done == n_split - 1:
+        total = tl.zeros((offs_m.shape[0], offs_n.shape[0]), tl.float32)
+        for s in range(0, n_split):
+            total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
