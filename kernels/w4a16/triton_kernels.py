@@ -1,8 +1,8 @@
 """Launching the Triton kernels of the W4A16 GEMM on GPTQ v1 tensors (see ``reference.py`` for the layout).
 
-Each path's kernel lives in the module of its name (``paired_gemv``, ``gemv``, ``wleft``, ``flat``, ``tiled``,
-``dequant_kernel``; code extraction in ``codes``, the split-K reduction in ``split_k``); this module sizes the
-grids and workspaces and picks the path. Paths, chosen by ``matmul`` from the number of activation rows ``M``:
+Each path's kernel lives in the module of its name (``paired_gemv``, ``gemv``, ``wleft``, ``mma_rows``, ``flat``,
+``tiled``, ``dequant_kernel``; code extraction in ``codes``, the split-K reduction in ``split_k``); this module sizes
+the grids and workspaces and picks the path. Paths, chosen by ``matmul`` from the number of activation rows ``M``:
 
 * ``M == 1`` with 4-bit codes and an fp16/bf16 activation, ``paired`` (``matmul_paired``, kernel in
   ``paired_gemv``): split-K GEMV on paired fp16 arithmetic, two weights per instruction; the rounding of each
@@ -19,6 +19,9 @@ grids and workspaces and picks the path. Paths, chosen by ``matmul`` from the nu
   NVFP4 decode kernel (``salaquant.kernels.nvfp4``), in fewer instructions per weight (4.0 against 5.0 in the
   sm_90 SASS of the main loop, read with ``benchmarks/sass_report.py``). Used for 4-bit codes, fp16/bf16
   activations and groups of 32, 64 or a multiple of 128 (or one group); other cases take ``flat``.
+* ``matmul_mma_rows`` (not chosen by ``matmul`` yet: its speed has not been measured): 1 to 16 rows on
+  ``mma.sync`` fed from registers, every tensor one element per thread so that each thread loads its own
+  fragments (``mma_rows``); the same paired dequantization as ``paired``, fp32 products and sums.
 * ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short, fully unrolled
   run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in natural K
   order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core reduction for
@@ -55,6 +58,7 @@ from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
 from .flat import flat_kernel
 from .gemv import gemv_kernel
+from .mma_rows import mma_rows_kernel
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
 from .tiled import tiled_kernel
@@ -68,6 +72,7 @@ __all__ = [
     "matmul",
     "matmul_flat",
     "matmul_gemv",
+    "matmul_mma_rows",
     "matmul_paired",
     "matmul_tiled",
     "matmul_wleft",
@@ -281,6 +286,76 @@ def matmul_paired(
         GROUP_SIZE=gs,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        BF16=x.dtype == torch.bfloat16,
+        ASM=not (_INTERPRET or emulate),
+        num_warps=num_warps,
+        num_stages=1,
+    )
+    return y
+
+
+MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
+"""``matmul_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program). Chosen from the sm_90
+build, not yet from timings: 72 registers per thread for up to 8 rows and 96 for 9-16 (4 tiles: 144 and 190), so
+enough programs fit an SM to keep 40-57 KB of words in flight (``benchmarks/w4a16_mma_rows.py`` times the others)."""
+
+
+def _mma_rows_group(k: int, gs: int) -> int:
+    """The kernel's group (``GROUP_SIZE``, -1 for one group) when ``matmul_mma_rows`` runs this K, else 0."""
+    if gs <= 0:
+        return -1 if k % 128 == 0 else 0
+    return gs if gs % 32 == 0 and k % gs == 0 else 0
+
+
+def matmul_mma_rows(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    out: Tensor | None = None,
+    split_k: int | None = None,
+    tiles: int = MMA_ROWS_CONFIG["tiles"],
+    num_warps: int = MMA_ROWS_CONFIG["num_warps"],
+    emulate: bool = False,
+) -> Tensor:
+    """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, fp16 or bf16
+    activations whose magnitude fits fp16, groups of a multiple of 32 dividing K (or one group, K a multiple of
+    128). ``split_k`` overrides the split heuristic (splits of whole groups); ``emulate`` runs the interpreter's
+    emulation of the PTX on a GPU too, to check the PTX against it."""
+    x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
+    m = x.shape[0]
+    kernel_gs = _mma_rows_group(k, gs)
+    if bits != 4 or x.dtype not in (torch.float16, torch.bfloat16) or not 1 <= m <= 16 or kernel_gs == 0:
+        raise ValueError(
+            f"the mma kernel takes 1 to 16 fp16/bf16 rows, 4-bit codes and groups of a multiple of 32 dividing K; "
+            f"got {m} {x.dtype} rows, bits={bits}, group_size={gs}, K={k}"
+        )
+    for name, value in (("tiles", tiles), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    y = _output(out, m, n, x)
+    block_n = 16 * tiles * num_warps
+    n_tiles = cdiv(n, block_n)
+    groups = k // (128 if kernel_gs < 0 else kernel_gs)
+    splits = _split_count(n_tiles, groups, _sm_count(x.device), split_k, 1)
+    mma_rows_kernel[(n_tiles, splits)](
+        x,
+        qweight,
+        scales,
+        y,
+        _partials(x, splits, m, n),
+        arrival_counters(x.device, n_tiles),
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        GROUP_SIZE=kernel_gs,
+        TILES=tiles,
+        WARPS=num_warps,
+        TWO=m > 8,
         BF16=x.dtype == torch.bfloat16,
         ASM=not (_INTERPRET or emulate),
         num_warps=num_warps,

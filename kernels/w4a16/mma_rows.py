@@ -1,0 +1,331 @@
+"""W4A16 for 1 to 16 activation rows on ``mma.sync`` tensor-core instructions fed straight from registers.
+
+Tensor cores take their operands in fixed per-lane fragments. Triton chooses where tensor elements live, so this
+kernel keeps every tensor one element per thread (``[32 * WARPS]``) and asks each thread which it is
+(``%tid.x``); each thread then loads exactly the words and activations its fragments need, and one inline-PTX
+block per step dequantizes and multiplies. No shared memory and no layout conversion.
+
+One ``mma.sync.m16n8k16`` multiplies a 16 x 16 weight tile (16 output columns by 16 K slots) by 16 K slots of 8
+activation rows. Lane ``4 g + q`` of a warp holds, in its A registers, slots ``2q, 2q+1, 2q+8, 2q+9`` of
+columns ``g`` and ``g + 8`` and, in its B registers, the same slots of activation row ``g``. The slots may stand
+for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes word row ``w + q`` of the round
+(four word rows, 32 K values) and the two columns: the paired magic-number dequantization of ``paired_gemv``
+turns each word into the fp16 pairs ``(c_j, c_{j+4})`` for ``j = 0..3``, exactly the activation pairs
+``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernel, so slot pair ``(2q, 2q+1)`` of step ``s`` is
+``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps use a word's eight codes; a
+second pair of MMAs takes activation rows 8-15 when there are more than 8.
+
+A warp owns ``16 * TILES`` columns; each MMA accumulates one group's products (fp32, C chained), which are then
+scaled by the group's column scales into the output accumulators. The next group's words are loaded while this
+group's are multiplied (at group 128 and 2 tiles, 16 words per thread in flight).
+
+Codes enter as ``(code - 8) / 32`` (exact in fp16); activations are rounded to fp16 (as in the one-row kernel:
+exact for bf16 values of magnitude 2**-14 to 65504); products and sums are fp32 in the tensor core. Split-K as the
+other kernels (``split_k.py``).
+
+Under the Triton interpreter the PTX does not run: each thread is the tensor element of its index and the MMA is
+emulated on the same registers (``emulated_mma``: the fragments of the PTX ISA, gathered per warp and multiplied in
+fp32), so the CPU tests check the fragment mapping, the loads and the split-K; a GPU test holds the PTX to the
+emulation and both to the reference.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..paired_f16 import f16_pair, half, halves
+from .paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
+from .split_k import finish_split_k
+
+__all__ = ["emulated_mma", "mma_rows_kernel"]
+
+
+def _dequant_ptx(word: str, out: str, k: list[str]) -> str:
+    """PTX turning int32 ``word`` into the fp16 pairs ``{out}0..3`` = ``((c_j - 8) / 32, (c_{j+4} - 8) / 32)``;
+    ``k`` names the operands holding the low mask, the magic pair, the high mask and the two multiply-adds."""
+    lomask, magic, himask, lomul, loadd, himul, hiadd = k
+    return f"""shr.u32 q8, {word}, 8;
+lop3.b32 {out}0, {word}, {lomask}, {magic}, 0xEA;
+lop3.b32 {out}1, {word}, {himask}, {magic}, 0xEA;
+lop3.b32 {out}2, q8, {lomask}, {magic}, 0xEA;
+lop3.b32 {out}3, q8, {himask}, {magic}, 0xEA;
+fma.rn.f16x2 {out}0, {out}0, {lomul}, {loadd};
+fma.rn.f16x2 {out}1, {out}1, {himul}, {hiadd};
+fma.rn.f16x2 {out}2, {out}2, {lomul}, {loadd};
+fma.rn.f16x2 {out}3, {out}3, {himul}, {hiadd};
+"""
+
+
+def _round_ptx(two: bool) -> str:
+    """One round of one column tile: the words of columns g and g + 8, four MMAs (two without ``two``).
+
+    Operands: outputs ``$0..$3`` (rows 0-7) [and ``$4..$7`` (rows 8-15)], then the two words, the activation pairs
+    of row g [and of row g + 8], the accumulators in the same order, and the seven dequantization constants."""
+    n_out = 8 if two else 4
+    wg, wh = f"${n_out}", f"${n_out + 1}"
+    p = [f"${n_out + 2 + i}" for i in range(4)]
+    q = [f"${n_out + 6 + i}" for i in range(4)] if two else []
+    c0 = n_out + 2 + (8 if two else 4)
+    acc = [f"${c0 + i}" for i in range(n_out)]
+    k = [f"${c0 + n_out + i}" for i in range(7)]
+    # the accumulators go through registers of the block's own, so no output can overwrite an input still unread
+    lines = ["{", ".reg .b32 q8, g0, g1, g2, g3, h0, h1, h2, h3;", f".reg .f32 e<{n_out}>;"]
+    lines += [f"mov.f32 e{i}, {a};" for i, a in enumerate(acc)]
+    lines.append(_dequant_ptx(wg, "g", k) + _dequant_ptx(wh, "h", k))
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    for half_rows, pairs in ((0, p), (1, q)) if two else ((0, p),):
+        e = "{" + ", ".join(f"e{4 * half_rows + i}" for i in range(4)) + "}"
+        lines.append(f"{mma} {e}, {{g0, h0, g1, h1}}, {{{pairs[0]}, {pairs[1]}}}, {e};")
+        lines.append(f"{mma} {e}, {{g2, h2, g3, h3}}, {{{pairs[2]}, {pairs[3]}}}, {e};")
+    lines += [f"mov.f32 ${i}, e{i};" for i in range(n_out)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _constraints(two: bool) -> str:
+    n = 8 if two else 4
+    return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * 7)
+
+
+ROUND_PTX_ONE, ROUND_PTX_TWO = tl.constexpr(_round_ptx(False)), tl.constexpr(_round_ptx(True))
+ROUND_CONSTRAINTS_ONE, ROUND_CONSTRAINTS_TWO = tl.constexpr(_constraints(False)), tl.constexpr(_constraints(True))
+
+
+@triton.jit
+def _thread_index(WARPS: tl.constexpr, ASM: tl.constexpr):
+    """Each element's thread (``%tid.x``) on a GPU; under the interpreter element ``i`` stands for thread ``i``."""
+    i = tl.arange(0, 32 * WARPS)
+    if ASM:
+        return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [i], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return i
+
+
+@triton.jit
+def _by_lane(v, WARPS: tl.constexpr):
+    """fp32 ``[32 * WARPS]`` per-thread values as ``[WARPS, 8 (g), 4 (q)]``, lane ``4 g + q``."""
+    return tl.reshape(v, (WARPS, 8, 4))
+
+
+@triton.jit
+def _halves32(v, WARPS: tl.constexpr):
+    return _by_lane(half(v, False), WARPS), _by_lane(half(v, True), WARPS)
+
+
+@triton.jit
+def _pick(tile, PAIR: tl.constexpr, WARPS: tl.constexpr):
+    """From ``tile [WARPS, 8 (row g), 8 (column n)]``, each lane's ``n = 2 q + PAIR`` entry of its row, per thread."""
+    n = tl.arange(0, 8)
+    q = tl.arange(0, 4)
+    take = n[None, :] == 2 * q[:, None] + PAIR  # [4 (q), 8 (n)]
+    picked = tl.sum(tl.where(take[None, None, :, :], tile[:, :, None, :], 0.0), axis=3)  # [WARPS, 8, 4]
+    return tl.reshape(picked, (32 * WARPS,))
+
+
+@triton.jit
+def emulated_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` on per-thread registers (element ``i`` of each
+    ``[32 * WARPS]`` tensor is thread ``i``): fp16 pairs ``a0..a3`` and ``b0, b1`` as int32, fp32 ``c0..c3``.
+
+    Fragments (PTX ISA), lane ``4 g + q``: ``a0`` = A[g][2q, 2q+1], ``a1`` = A[g+8][2q, 2q+1], ``a2`` =
+    A[g][2q+8, 2q+9], ``a3`` = A[g+8][2q+8, 2q+9]; ``b0`` = B[2q, 2q+1][g], ``b1`` = B[2q+8, 2q+9][g]; ``c0, c1`` =
+    C[g][2q, 2q+1], ``c2, c3`` = C[g+8][2q, 2q+1]. Returns ``d0..d3`` = (A B + C) in the C fragment (fp32)."""
+    a0l, a0h = _halves32(a0, WARPS)
+    a1l, a1h = _halves32(a1, WARPS)
+    a2l, a2h = _halves32(a2, WARPS)
+    a3l, a3h = _halves32(a3, WARPS)
+    b0l, b0h = _halves32(b0, WARPS)
+    b1l, b1h = _halves32(b1, WARPS)
+    # D[r][n] = sum over lanes q of the four slots lane (r, q) holds of A times those lane (n, q) holds of B
+    top = tl.sum(
+        a0l[:, :, None, :] * b0l[:, None, :, :]
+        + a0h[:, :, None, :] * b0h[:, None, :, :]
+        + a2l[:, :, None, :] * b1l[:, None, :, :]
+        + a2h[:, :, None, :] * b1h[:, None, :, :],
+        axis=3,
+    )  # [WARPS, 8 (row g), 8 (column n)]
+    bottom = tl.sum(
+        a1l[:, :, None, :] * b0l[:, None, :, :]
+        + a1h[:, :, None, :] * b0h[:, None, :, :]
+        + a3l[:, :, None, :] * b1l[:, None, :, :]
+        + a3h[:, :, None, :] * b1h[:, None, :, :],
+        axis=3,
+    )  # rows g + 8
+    return (
+        c0 + _pick(top, 0, WARPS),
+        c1 + _pick(top, 1, WARPS),
+        c2 + _pick(bottom, 0, WARPS),
+        c3 + _pick(bottom, 1, WARPS),
+    )
+
+
+@triton.jit
+def _round(wg, wh, p, q, acc, TWO: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr):
+    """One round of one column tile: ``acc`` (4 or 8 fp32 per thread) plus the products of the words ``wg`` and
+    ``wh`` (columns g and g + 8) with the activation pairs ``p`` (row g) and ``q`` (row g + 8)."""
+    if ASM:
+        consts = dequant_constants(wg.shape)
+        if TWO:
+            return tl.inline_asm_elementwise(
+                ROUND_PTX_TWO,
+                ROUND_CONSTRAINTS_TWO,
+                (wg, wh) + p + q + acc + consts,  # noqa: RUF005
+                dtype=[tl.float32] * 8,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                ROUND_PTX_ONE,
+                ROUND_CONSTRAINTS_ONE,
+                (wg, wh) + p + acc + consts,  # noqa: RUF005
+                dtype=[tl.float32] * 4,
+                is_pure=True,
+                pack=1,
+            )
+    else:
+        g0, g1, g2, g3 = emulated_pairs(wg)
+        h0, h1, h2, h3 = emulated_pairs(wh)
+        d = emulated_mma(g0, h0, g1, h1, p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS)
+        d = emulated_mma(g2, h2, g3, h3, p[2], p[3], d[0], d[1], d[2], d[3], WARPS)
+        if TWO:
+            e = emulated_mma(g0, h0, g1, h1, q[0], q[1], acc[4], acc[5], acc[6], acc[7], WARPS)
+            e = emulated_mma(g2, h2, g3, h3, q[2], q[3], e[0], e[1], e[2], e[3], WARPS)
+            return d + e
+        else:
+            return d
+
+
+@triton.jit
+def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, ASM: tl.constexpr):
+    """The fp16 pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow``
+    (per thread; zeros for rows past ``M``)."""
+    ok = row < M
+    xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
+    v01 = f16_pair(tl.load(xb + 0, mask=ok, other=0), BF16, ASM)
+    v23 = f16_pair(tl.load(xb + 1, mask=ok, other=0), BF16, ASM)
+    v45 = f16_pair(tl.load(xb + 2, mask=ok, other=0), BF16, ASM)
+    v67 = f16_pair(tl.load(xb + 3, mask=ok, other=0), BF16, ASM)
+    return halves(v01, v45, False), halves(v01, v45, True), halves(v23, v67, False), halves(v23, v67, True)
+
+
+@triton.jit
+def _zeros(n: tl.constexpr, WARPS: tl.constexpr):
+    z = ()
+    for _ in tl.static_range(n):
+        z = z + (tl.zeros((32 * WARPS,), tl.float32),)  # noqa: RUF005 (Triton has no tuple unpacking)
+    return z
+
+
+@triton.jit
+def _load_group(w_ptr, grp, q, col, N, ROUNDS: tl.constexpr, TILES: tl.constexpr, row_end):
+    """Group ``grp``'s words of this thread: for each round ``r`` and tile ``t``, word row ``4 (ROUNDS grp + r) + q``
+    at columns ``col + 16 t`` and ``col + 16 t + 8`` (zeros from word row ``row_end`` on or past ``N``)."""
+    words = ()
+    for r in tl.static_range(ROUNDS):
+        wrow = (grp * ROUNDS + r) * 4 + q
+        base = w_ptr + wrow.to(tl.int64) * N
+        for t in tl.static_range(TILES):
+            c = col + 16 * t
+            wg = tl.load(base + c, mask=(c < N) & (wrow < row_end), other=0)
+            wh = tl.load(base + c + 8, mask=(c + 8 < N) & (wrow < row_end), other=0)
+            words = words + (wg, wh)  # noqa: RUF005
+    return words
+
+
+@triton.jit
+def mma_rows_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    TILES: tl.constexpr,
+    WARPS: tl.constexpr,
+    TWO: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words (see the module docstring); grid ``(cdiv(N, 16 * TILES *
+    WARPS), splits)``, splits over whole groups. ``GROUP_SIZE`` is a multiple of 32 (or -1: one group, K a multiple
+    of 128); ``TWO``: more than 8 rows."""
+    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
+    GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
+    ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
+    NACC: tl.constexpr = 8 if TWO else 4
+    BLOCK_N: tl.constexpr = 16 * TILES * WARPS
+    tid = _thread_index(WARPS, ASM)
+    lane = tid % 32
+    g = lane // 4
+    q = lane % 4
+    col = tl.program_id(0) * BLOCK_N + (tid // 32) * (16 * TILES) + g  # this thread's column of tile 0
+    n_groups = K // GS
+    per = tl.cdiv(n_groups, tl.num_programs(1))
+    g_start = tl.program_id(1) * per
+    g_end = tl.minimum(g_start + per, n_groups)
+
+    acc = _zeros(NACC * TILES, WARPS)
+    row_end = g_end * ROUNDS * 4  # this split's last word row + 1
+    words = _load_group(w_ptr, g_start, q, col, N, ROUNDS, TILES, row_end)
+    for grp in range(g_start, g_end):
+        # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
+        nxt = _load_group(w_ptr, grp + 1, q, col, N, ROUNDS, TILES, row_end)
+        part = _zeros(NACC * TILES, WARPS)
+        for r in tl.static_range(ROUNDS):
+            wrow = (grp * ROUNDS + r) * 4 + q
+            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, ASM)
+            if TWO:  # noqa: SIM108 (a constexpr branch)
+                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, ASM)
+            else:
+                qp = p
+            new = ()
+            for t in tl.static_range(TILES):
+                sub = ()
+                for i in tl.static_range(NACC):
+                    sub = sub + (part[NACC * t + i],)  # noqa: RUF005
+                w0 = words[2 * (TILES * r + t)]
+                new = new + _round(w0, words[2 * (TILES * r + t) + 1], p, qp, sub, TWO, WARPS, ASM)
+            part = new
+        words = nxt
+        # this group's products, scaled per column: accumulators 0, 1 (and 4, 5) are column g, the rest g + 8
+        scaled = ()
+        for t in tl.static_range(TILES):
+            c = col + 16 * t
+            if ONE_GROUP:
+                s_g = tl.full(c.shape, 1.0, tl.float32)
+                s_h = s_g
+            else:
+                s_g = tl.load(s_ptr + grp * N + c, mask=c < N, other=0.0).to(tl.float32)
+                s_h = tl.load(s_ptr + grp * N + c + 8, mask=c + 8 < N, other=0.0).to(tl.float32)
+            for i in tl.static_range(NACC):
+                if (i % 4) < 2:
+                    scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_g,)  # noqa: RUF005
+                else:
+                    scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_h,)  # noqa: RUF005
+        acc = scaled
+
+    # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
+    n_split = tl.num_programs(1)
+    for t in tl.static_range(TILES):
+        for i in tl.static_range(NACC):
+            row = 8 * (i // 4) + 2 * q + (i % 2)
+            c = col + 16 * t + 8 * ((i % 4) // 2)
+            v = acc[NACC * t + i] * OUT_SCALE
+            if ONE_GROUP:
+                v = v * tl.load(s_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+            ok = (row < M) & (c < N)
+            if n_split == 1:
+                tl.store(y_ptr + row * stride_ym + c, v.to(y_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(part_ptr + (tl.program_id(1) * M + row) * N + c, v, mask=ok)
+    if n_split > 1:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        finish_split_k(y_ptr, part_ptr, cnt_ptr, tl.arange(0, 16), offs_n, M, N, stride_ym)

@@ -1,0 +1,169 @@
+"""The W4A16 kernel for 1-16 rows on ``mma.sync`` (``matmul_mma_rows``): its MMA emulation against the fragment
+layout of the PTX ISA, the kernel against the PyTorch reference under the Triton interpreter, and on a GPU the
+PTX against the emulation and the reference at SALA shapes (CUDA only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from salaquant.kernels.counters import arrival_counters
+from salaquant.kernels.w4a16 import dequantize, mma_rows, w4a16_matmul_reference
+
+# Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;
+# what remains is the output's rounding to nearest (2**-11 fp16, 2**-9 bf16), with room for the fp32 sums.
+TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-8}
+
+
+def _seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+def _operands(seed: int, m: int, k: int, n: int, gs: int, dtype: torch.dtype, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if gs == -1 else k // gs
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.002).to(torch.float16)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x.to(device), qweight.to(device), scales.to(device)
+
+
+def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gs: int, what: str):
+    """``|y - x W^T| <= TOL * (|x| @ |W|^T)`` elementwise against the fp32 product; NaN fails."""
+    ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs).double()
+    w = dequantize(qweight, scales.float(), 4, gs).double()
+    bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t())
+    err = (y.double() - ref).abs()
+    bad = ~(err <= bound)
+    worst = float((err / bound).nan_to_num(1e9).max())
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+
+
+def _pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """fp16 values ``lo``, ``hi`` packed into int32 registers, ``lo`` in the low half."""
+    return torch.stack([lo.half(), hi.half()], dim=-1).view(torch.int32).squeeze(-1)
+
+
+@triton.jit
+def _mma_probe(a_ptr, b_ptr, c_ptr, d_ptr, WARPS: tl.constexpr):
+    """``emulated_mma`` on registers loaded per thread: a 4, b 2, c 4 values per thread, d 4 out."""
+    i = tl.arange(0, 32 * WARPS)
+    d = mma_rows.emulated_mma(
+        tl.load(a_ptr + 4 * i),
+        tl.load(a_ptr + 4 * i + 1),
+        tl.load(a_ptr + 4 * i + 2),
+        tl.load(a_ptr + 4 * i + 3),
+        tl.load(b_ptr + 2 * i),
+        tl.load(b_ptr + 2 * i + 1),
+        tl.load(c_ptr + 4 * i),
+        tl.load(c_ptr + 4 * i + 1),
+        tl.load(c_ptr + 4 * i + 2),
+        tl.load(c_ptr + 4 * i + 3),
+        WARPS,
+    )
+    for j in tl.static_range(4):
+        tl.store(d_ptr + 4 * i + j, d[j])
+
+
+def test_emulated_mma_follows_the_ptx_fragments() -> None:
+    """``emulated_mma`` computes D = A B + C for 16x16 A, 16x8 B and 16x8 C scattered over a warp's registers as the
+    PTX ISA lays out ``mma.m16n8k16`` (fp16 A/B, fp32 C/D), for two warps with different matrices."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    warps = 2
+    a = torch.randn(warps, 16, 16, generator=gen).half()
+    b = torch.randn(warps, 16, 8, generator=gen).half()
+    c = torch.randn(warps, 16, 8, generator=gen)
+    lane = torch.arange(32)
+    g, q = lane // 4, lane % 4
+    regs_a, regs_b, regs_c = [], [], []
+    for w in range(warps):
+        A, B, C = a[w], b[w], c[w]
+        regs_a.append(
+            torch.stack(
+                [
+                    _pair(A[g, 2 * q], A[g, 2 * q + 1]),
+                    _pair(A[g + 8, 2 * q], A[g + 8, 2 * q + 1]),
+                    _pair(A[g, 2 * q + 8], A[g, 2 * q + 9]),
+                    _pair(A[g + 8, 2 * q + 8], A[g + 8, 2 * q + 9]),
+                ],
+                dim=1,
+            )
+        )
+        regs_b.append(torch.stack([_pair(B[2 * q, g], B[2 * q + 1, g]), _pair(B[2 * q + 8, g], B[2 * q + 9, g])], 1))
+        regs_c.append(torch.stack([C[g, 2 * q], C[g, 2 * q + 1], C[g + 8, 2 * q], C[g + 8, 2 * q + 1]], dim=1))
+    d = torch.full((32 * warps, 4), float("nan"))
+    _mma_probe[(1,)](torch.cat(regs_a), torch.cat(regs_b), torch.cat(regs_c).float(), d, WARPS=warps)
+    expected = a.double() @ b.double() + c.double()
+    for w in range(warps):
+        got = torch.full((16, 8), float("nan"), dtype=torch.float64)
+        dw = d[32 * w : 32 * (w + 1)].double()
+        got[g, 2 * q], got[g, 2 * q + 1], got[g + 8, 2 * q], got[g + 8, 2 * q + 1] = dw.unbind(1)
+        msg = f"seed={seed} warp {w}"
+        torch.testing.assert_close(got, expected[w], rtol=1e-6, atol=1e-6, msg=lambda s, msg=msg: f"{msg}: {s}")
+
+
+# (M, K, N, group, dtype, tiles, warps, splits): one and two pairs of MMAs, every group kind, partial column tiles,
+# groups split unevenly (5 groups of 64 over 3 splits), and the default launch (4 tiles, 4 warps)
+CASES = [
+    (1, 256, 48, 128, torch.bfloat16, 1, 1, 2),
+    (5, 320, 80, 64, torch.float16, 2, 2, 3),
+    (9, 256, 40, 32, torch.bfloat16, 1, 2, 1),
+    (16, 256, 72, -1, torch.float16, 2, 1, 2),
+    (16, 256, 256, 128, torch.bfloat16, 4, 4, 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"m{c[0]}-gs{c[3]}" for c in CASES])
+def test_mma_rows_matches_reference(case: tuple) -> None:
+    """The kernel within the bound of the fp32 product; the output buffer is poisoned first."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    m, k, n, group_size, dtype, tiles, warps, split = case
+    seed = _seed()
+    x, qweight, scales = _operands(seed, m, k, n, group_size, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = tk.matmul_mma_rows(x, qweight, scales, 4, group_size, out=out, split_k=split, tiles=tiles, num_warps=warps)
+    assert y is out
+    what = f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiles={tiles} warps={warps} split={split}"
+    _bound_check(y, x, qweight, scales, group_size, what)
+    assert not bool(arrival_counters(torch.device("cpu"), 1).any()), "a split left its arrival counter set"
+
+
+def test_mma_rows_refuses_what_it_cannot_run() -> None:
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    x, qweight, scales = _operands(0, 4, 256, 64, 128, torch.float16)
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        tk.matmul_mma_rows(x.float(), qweight, scales)
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        tk.matmul_mma_rows(torch.zeros(17, 256, dtype=torch.float16), qweight, scales)
+    x16, qweight16, scales16 = _operands(0, 4, 256, 64, 16, torch.float16)
+    with pytest.raises(ValueError, match="groups of a multiple of 32"):
+        tk.matmul_mma_rows(x16, qweight16, scales16, 4, 16)
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        tk.matmul_mma_rows(x, torch.zeros(64, 64, dtype=torch.int32), scales, 8, 128)
+    with pytest.raises(ValueError, match="power of two"):
+        tk.matmul_mma_rows(x, qweight, scales, tiles=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
+def test_gpu_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> None:
+    """The PTX on the tensor cores against the emulation of the same fragments on the same GPU (equal up to the
+    order of fp32 sums), and both within the bound of the fp32 reference, at SALA shapes."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    k, n = shape
+    seed = _seed()
+    x, qweight, scales = _operands(seed, m, k, n, 128, torch.bfloat16, "cuda")
+    got = tk.matmul_mma_rows(x, qweight, scales, 4, 128)
+    emulated = tk.matmul_mma_rows(x, qweight, scales, 4, 128, emulate=True)
+    what = f"seed={seed} M={m} K={k} N={n}"
+    _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " PTX")
+    _bound_check(emulated.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " emulation")
+    torch.testing.assert_close(got.float(), emulated.float(), rtol=2**-7, atol=1e-3, msg=lambda s: f"{what}: {s}")
