@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from error_bounds import assert_within
 from salaquant.kernels.nvfp4 import dequantize, nvfp4_matmul_reference
 
 from salaquant.nvfp4.numerics import quantize_nvfp4
@@ -36,10 +37,7 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, weight, scale, s2, slack: flo
     w = dequantize(weight, scale, s2).double()
     ref = x.double() @ w.t()
     bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t()) + slack
-    err = (y.double() - ref).abs()
-    bad = ~(err <= bound)
-    worst = float((err / bound).nan_to_num(1e9).max())
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+    assert_within(y, ref, bound, what)
 
 
 @pytest.fixture

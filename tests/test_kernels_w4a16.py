@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from error_bounds import assert_within
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul, w4a16_matmul_reference
 
@@ -34,10 +35,7 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.
     """``|y - ref| <= tol * (|x| @ |W|^T)`` elementwise (``w`` is the fp32 ``[N, K]`` weight); NaN fails."""
     assert y.shape == ref.shape and y.dtype == ref.dtype, f"{what}: {y.shape} {y.dtype} vs {ref.shape} {ref.dtype}"
     bound = tol * (x.double().abs() @ w.double().abs().t())
-    err = (y.double() - ref.double()).abs()
-    bad = ~(err <= bound)
-    worst = float((err / bound).nan_to_num(1e9).max())
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+    assert_within(y, ref.double(), bound, what)
 
 
 TOL = {torch.float16: 3e-3, torch.float32: 1e-4}

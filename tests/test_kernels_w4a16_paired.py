@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from error_bounds import assert_within
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
 
@@ -29,10 +30,7 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
     ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs).double()
     w = dequantize(qweight, scales.float(), 4, gs).double()
     bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t())
-    err = (y.double() - ref).abs()
-    bad = ~(err <= bound)
-    worst = float((err / bound).nan_to_num(1e9).max())
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+    assert_within(y, ref, bound, what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
