@@ -1,4 +1,5 @@
-"""W4A16 for 1 to 16 activation rows on ``mma.sync`` tensor-core instructions fed straight from registers.
+"""4-bit weights (GPTQ int4 or NVFP4) for 1 to 16 activation rows on ``mma.sync`` tensor-core instructions fed
+straight from registers.
 
 Tensor cores take their operands in fixed per-lane fragments. Triton chooses where tensor elements live, so this
 kernel keeps every tensor one element per thread (``[32 * WARPS]``) and asks each thread which it is
@@ -9,15 +10,18 @@ One ``mma.sync.m16n8k16`` multiplies a 16 x 16 weight tile (16 output columns by
 activation rows. Lane ``4 g + q`` of a warp holds, in its A registers, slots ``2q, 2q+1, 2q+8, 2q+9`` of
 columns ``g`` and ``g + 8`` and, in its B registers, the same slots of activation row ``g``. The slots may stand
 for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes word row ``w + q`` of the round
-(four word rows, 32 K values) and the two columns: the paired magic-number dequantization of ``paired_gemv``
-turns each word into the fp16 pairs ``(c_j, c_{j+4})`` for ``j = 0..3``, exactly the activation pairs
-``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernel, so slot pair ``(2q, 2q+1)`` of step ``s`` is
-``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps use a word's eight codes; a
-second pair of MMAs takes activation rows 8-15 when there are more than 8.
+(four words of eight codes along K, 32 K values) and the two columns. Both formats' paired dequantizations
+(``w4a16.paired_gemv``, ``nvfp4.paired_gemv``) turn a word into the fp16 pairs ``(c_j, c_{j+4})`` for
+``j = 0..3``, exactly the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernels, so slot pair
+``(2q, 2q+1)`` of step ``s`` is ``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps
+use a word's eight codes; a second pair of MMAs takes activation rows 8-15 when there are more than 8.
 
-A warp owns ``16 * TILES`` columns; each MMA accumulates one group's products (fp32, C chained), which are then
-scaled by the group's column scales into the output accumulators. The next group's words are loaded while this
-group's are multiplied (at group 128 and 2 tiles, 16 words per thread in flight).
+A warp owns ``16 * TILES`` columns. GPTQ (``[K / 8, N]`` words): each MMA accumulates one group's products (fp32,
+C chained), which are then scaled by the group's column scales into the output accumulators; codes enter as
+``(code - 8) / 32`` (exact in fp16). NVFP4 (``FP4``: ``[N, K / 8]`` words, FP8 scales per 16 inputs): the block
+scale multiplies each pair before the MMA (``e2m1 * scale * 2**-14``, as in the one-row kernel, exact unless
+below fp16's normal range) and the global scale applies at the end. The next group's (or 128 inputs') words are
+loaded while this one's are multiplied (2 tiles: 16 words per thread in flight).
 
 Codes enter as ``(code - 8) / 32`` (exact in fp16); activations are rounded to fp16 (as in the one-row kernel:
 exact for bf16 values of magnitude 2**-14 to 65504); products and sums are fp32 in the tensor core. Split-K as the
@@ -34,9 +38,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import f16_pair, half, halves
-from .paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
-from .split_k import finish_split_k
+from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
+from .paired_f16 import emulated_fma2, f16_pair, half, halves
+from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
+from .w4a16.split_k import finish_split_k
 
 __all__ = ["emulated_mma", "mma_rows_kernel"]
 
@@ -57,22 +62,26 @@ fma.rn.f16x2 {out}3, {out}3, {himul}, {hiadd};
 """
 
 
-def _round_ptx(two: bool) -> str:
+def _round_ptx(two: bool, fp4: bool) -> str:
     """One round of one column tile: the words of columns g and g + 8, four MMAs (two without ``two``).
 
     Operands: outputs ``$0..$3`` (rows 0-7) [and ``$4..$7`` (rows 8-15)], then the two words, the activation pairs
-    of row g [and of row g + 8], the accumulators in the same order, and the seven dequantization constants."""
+    of row g [and of row g + 8], the accumulators in the same order, and the seven GPTQ dequantization constants
+    (or, with ``fp4``, the block scale pairs of columns g and g + 8)."""
     n_out = 8 if two else 4
     wg, wh = f"${n_out}", f"${n_out + 1}"
     p = [f"${n_out + 2 + i}" for i in range(4)]
     q = [f"${n_out + 6 + i}" for i in range(4)] if two else []
     c0 = n_out + 2 + (8 if two else 4)
     acc = [f"${c0 + i}" for i in range(n_out)]
-    k = [f"${c0 + n_out + i}" for i in range(7)]
+    k = [f"${c0 + n_out + i}" for i in range(2 if fp4 else 7)]
     # the accumulators go through registers of the block's own, so no output can overwrite an input still unread
-    lines = ["{", ".reg .b32 q8, g0, g1, g2, g3, h0, h1, h2, h3;", f".reg .f32 e<{n_out}>;"]
+    lines = ["{", ".reg .b32 q8, t, u, g0, g1, g2, g3, h0, h1, h2, h3;", f".reg .f32 e<{n_out}>;"]
     lines += [f"mov.f32 e{i}, {a};" for i, a in enumerate(acc)]
-    lines.append(_dequant_ptx(wg, "g", k) + _dequant_ptx(wh, "h", k))
+    if fp4:
+        lines.append(E2M1_PAIRS_PTX.format(w=wg, a="g", s=k[0]) + E2M1_PAIRS_PTX.format(w=wh, a="h", s=k[1]))
+    else:
+        lines.append(_dequant_ptx(wg, "g", k) + _dequant_ptx(wh, "h", k))
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
     for half_rows, pairs in ((0, p), (1, q)) if two else ((0, p),):
         e = "{" + ", ".join(f"e{4 * half_rows + i}" for i in range(4)) + "}"
@@ -83,13 +92,20 @@ def _round_ptx(two: bool) -> str:
     return "\n".join(lines)
 
 
-def _constraints(two: bool) -> str:
+def _constraints(two: bool, fp4: bool) -> str:
     n = 8 if two else 4
-    return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * 7)
+    return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * (2 if fp4 else 7))
 
 
-ROUND_PTX_ONE, ROUND_PTX_TWO = tl.constexpr(_round_ptx(False)), tl.constexpr(_round_ptx(True))
-ROUND_CONSTRAINTS_ONE, ROUND_CONSTRAINTS_TWO = tl.constexpr(_constraints(False)), tl.constexpr(_constraints(True))
+_PTX = {(two, fp4): tl.constexpr(_round_ptx(two, fp4)) for two in (False, True) for fp4 in (False, True)}
+_CONSTRAINTS = {(two, fp4): tl.constexpr(_constraints(two, fp4)) for two in (False, True) for fp4 in (False, True)}
+PTX_ONE, PTX_TWO, PTX_ONE_FP4, PTX_TWO_FP4 = _PTX[False, False], _PTX[True, False], _PTX[False, True], _PTX[True, True]
+CON_ONE, CON_TWO, CON_ONE_FP4, CON_TWO_FP4 = (
+    _CONSTRAINTS[False, False],
+    _CONSTRAINTS[True, False],
+    _CONSTRAINTS[False, True],
+    _CONSTRAINTS[True, True],
+)
 
 
 @triton.jit
@@ -161,32 +177,42 @@ def emulated_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _round(wg, wh, p, q, acc, TWO: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr):
+def _fp4_pairs(words, scale):
+    """The interpreter's NVFP4 dequantization: the pairs ``(c_i, c_{i+4})`` as ``e2m1 * 2**-14`` times ``scale``."""
+    zero = tl.zeros(words.shape, tl.int32)
+    return (
+        emulated_fma2(e2m1_pair(words, 0), scale, zero),
+        emulated_fma2(e2m1_pair(words, 1), scale, zero),
+        emulated_fma2(e2m1_pair(words, 2), scale, zero),
+        emulated_fma2(e2m1_pair(words, 3), scale, zero),
+    )
+
+
+@triton.jit
+def _round(wg, wh, sg, sh, p, q, acc, TWO: tl.constexpr, FP4: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr):
     """One round of one column tile: ``acc`` (4 or 8 fp32 per thread) plus the products of the words ``wg`` and
-    ``wh`` (columns g and g + 8) with the activation pairs ``p`` (row g) and ``q`` (row g + 8)."""
+    ``wh`` (columns g and g + 8; NVFP4 block scale pairs ``sg``, ``sh``) with the activation pairs ``p`` (row g) and
+    ``q`` (row g + 8)."""
     if ASM:
-        consts = dequant_constants(wg.shape)
-        if TWO:
-            return tl.inline_asm_elementwise(
-                ROUND_PTX_TWO,
-                ROUND_CONSTRAINTS_TWO,
-                (wg, wh) + p + q + acc + consts,  # noqa: RUF005
-                dtype=[tl.float32] * 8,
-                is_pure=True,
-                pack=1,
-            )
+        f4: tl.constexpr = [tl.float32] * 4
+        f8: tl.constexpr = [tl.float32] * 8
+        if FP4 and TWO:
+            return tl.inline_asm_elementwise(PTX_TWO_FP4, CON_TWO_FP4, (wg, wh) + p + q + acc + (sg, sh), f8, True, 1)  # noqa: RUF005
+        elif FP4:
+            return tl.inline_asm_elementwise(PTX_ONE_FP4, CON_ONE_FP4, (wg, wh) + p + acc + (sg, sh), f4, True, 1)  # noqa: RUF005
+        elif TWO:
+            consts = dequant_constants(wg.shape)
+            return tl.inline_asm_elementwise(PTX_TWO, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
         else:
-            return tl.inline_asm_elementwise(
-                ROUND_PTX_ONE,
-                ROUND_CONSTRAINTS_ONE,
-                (wg, wh) + p + acc + consts,  # noqa: RUF005
-                dtype=[tl.float32] * 4,
-                is_pure=True,
-                pack=1,
-            )
+            consts = dequant_constants(wg.shape)
+            return tl.inline_asm_elementwise(PTX_ONE, CON_ONE, (wg, wh) + p + acc + consts, f4, True, 1)  # noqa: RUF005
     else:
-        g0, g1, g2, g3 = emulated_pairs(wg)
-        h0, h1, h2, h3 = emulated_pairs(wh)
+        if FP4:
+            g0, g1, g2, g3 = _fp4_pairs(wg, sg)
+            h0, h1, h2, h3 = _fp4_pairs(wh, sh)
+        else:
+            g0, g1, g2, g3 = emulated_pairs(wg)
+            h0, h1, h2, h3 = emulated_pairs(wh)
         d = emulated_mma(g0, h0, g1, h1, p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS)
         d = emulated_mma(g2, h2, g3, h3, p[2], p[3], d[0], d[1], d[2], d[3], WARPS)
         if TWO:
@@ -219,19 +245,31 @@ def _zeros(n: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _load_group(w_ptr, grp, q, col, N, ROUNDS: tl.constexpr, TILES: tl.constexpr, row_end):
+def _load_group(w_ptr, s_ptr, grp, q, col, N, K, ROUNDS: tl.constexpr, TILES: tl.constexpr, FP4: tl.constexpr, row_end):
     """Group ``grp``'s words of this thread: for each round ``r`` and tile ``t``, word row ``4 (ROUNDS grp + r) + q``
-    at columns ``col + 16 t`` and ``col + 16 t + 8`` (zeros from word row ``row_end`` on or past ``N``)."""
+    at columns ``col + 16 t`` and ``col + 16 t + 8`` (zeros from word row ``row_end`` on or past ``N``), and with
+    ``FP4`` the scale bytes of their 16-input blocks after them (words ``[N, K / 8]``, bytes ``[N, K / 16]``; GPTQ
+    words are ``[K / 8, N]``)."""
     words = ()
+    scales = ()
     for r in tl.static_range(ROUNDS):
         wrow = (grp * ROUNDS + r) * 4 + q
-        base = w_ptr + wrow.to(tl.int64) * N
         for t in tl.static_range(TILES):
             c = col + 16 * t
-            wg = tl.load(base + c, mask=(c < N) & (wrow < row_end), other=0)
-            wh = tl.load(base + c + 8, mask=(c + 8 < N) & (wrow < row_end), other=0)
-            words = words + (wg, wh)  # noqa: RUF005
-    return words
+            ok_g = (c < N) & (wrow < row_end)
+            ok_h = (c + 8 < N) & (wrow < row_end)
+            if FP4:
+                at_g = w_ptr + c.to(tl.int64) * (K // 8) + wrow
+                s_g = s_ptr + c.to(tl.int64) * (K // 16) + wrow // 2
+                words = words + (tl.load(at_g, mask=ok_g, other=0), tl.load(at_g + 8 * (K // 8), mask=ok_h, other=0))  # noqa: RUF005
+                scales = scales + (  # noqa: RUF005
+                    tl.load(s_g, mask=ok_g, other=0),
+                    tl.load(s_g + 8 * (K // 16), mask=ok_h, other=0),
+                )
+            else:
+                at_g = w_ptr + wrow.to(tl.int64) * N + c
+                words = words + (tl.load(at_g, mask=ok_g, other=0), tl.load(at_g + 8, mask=ok_h, other=0))  # noqa: RUF005
+    return words + scales
 
 
 @triton.jit
@@ -239,6 +277,7 @@ def mma_rows_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    gs_ptr,
     y_ptr,
     part_ptr,
     cnt_ptr,
@@ -251,16 +290,19 @@ def mma_rows_kernel(
     TILES: tl.constexpr,
     WARPS: tl.constexpr,
     TWO: tl.constexpr,
+    FP4: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words (see the module docstring); grid ``(cdiv(N, 16 * TILES *
-    WARPS), splits)``, splits over whole groups. ``GROUP_SIZE`` is a multiple of 32 (or -1: one group, K a multiple
-    of 128); ``TWO``: more than 8 rows."""
+    """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
+    grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
+    (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a multiple of it),
+    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
     NACC: tl.constexpr = 8 if TWO else 4
+    NW: tl.constexpr = 2 * TILES * ROUNDS  # words per thread and group (the scale bytes follow them with FP4)
     BLOCK_N: tl.constexpr = 16 * TILES * WARPS
     tid = _thread_index(WARPS, ASM)
     lane = tid % 32
@@ -274,11 +316,14 @@ def mma_rows_kernel(
 
     acc = _zeros(NACC * TILES, WARPS)
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1
-    words = _load_group(w_ptr, g_start, q, col, N, ROUNDS, TILES, row_end)
+    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end)
     for grp in range(g_start, g_end):
         # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
-        nxt = _load_group(w_ptr, grp + 1, q, col, N, ROUNDS, TILES, row_end)
-        part = _zeros(NACC * TILES, WARPS)
+        nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end)
+        if FP4:  # noqa: SIM108 (a constexpr branch): scaled per block before the MMA, so straight into acc
+            part = acc
+        else:
+            part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
             p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, ASM)
@@ -291,35 +336,49 @@ def mma_rows_kernel(
                 sub = ()
                 for i in tl.static_range(NACC):
                     sub = sub + (part[NACC * t + i],)  # noqa: RUF005
-                w0 = words[2 * (TILES * r + t)]
-                new = new + _round(w0, words[2 * (TILES * r + t) + 1], p, qp, sub, TWO, WARPS, ASM)
+                wg = loaded[2 * (TILES * r + t)]
+                wh = loaded[2 * (TILES * r + t) + 1]
+                if FP4:
+                    sg = scale_pair(loaded[NW + 2 * (TILES * r + t)], ASM)
+                    sh = scale_pair(loaded[NW + 2 * (TILES * r + t) + 1], ASM)
+                else:  # unused
+                    sg = wg
+                    sh = wh
+                new = new + _round(wg, wh, sg, sh, p, qp, sub, TWO, FP4, WARPS, ASM)
             part = new
-        words = nxt
-        # this group's products, scaled per column: accumulators 0, 1 (and 4, 5) are column g, the rest g + 8
-        scaled = ()
-        for t in tl.static_range(TILES):
-            c = col + 16 * t
-            if ONE_GROUP:
-                s_g = tl.full(c.shape, 1.0, tl.float32)
-                s_h = s_g
-            else:
-                s_g = tl.load(s_ptr + grp * N + c, mask=c < N, other=0.0).to(tl.float32)
-                s_h = tl.load(s_ptr + grp * N + c + 8, mask=c + 8 < N, other=0.0).to(tl.float32)
-            for i in tl.static_range(NACC):
-                if (i % 4) < 2:
-                    scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_g,)  # noqa: RUF005
+        loaded = nxt
+        if FP4:
+            acc = part
+        else:
+            # this group's products, scaled per column: accumulators 0, 1 (and 4, 5) are column g, the rest g + 8
+            scaled = ()
+            for t in tl.static_range(TILES):
+                c = col + 16 * t
+                if ONE_GROUP:
+                    s_g = tl.full(c.shape, 1.0, tl.float32)
+                    s_h = s_g
                 else:
-                    scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_h,)  # noqa: RUF005
-        acc = scaled
+                    s_g = tl.load(s_ptr + grp * N + c, mask=c < N, other=0.0).to(tl.float32)
+                    s_h = tl.load(s_ptr + grp * N + c + 8, mask=c + 8 < N, other=0.0).to(tl.float32)
+                for i in tl.static_range(NACC):
+                    if (i % 4) < 2:
+                        scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_g,)  # noqa: RUF005
+                    else:
+                        scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_h,)  # noqa: RUF005
+            acc = scaled
 
     # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
     n_split = tl.num_programs(1)
+    if FP4:  # noqa: SIM108 (a constexpr branch)
+        out_scale = tl.load(gs_ptr) * OUT_SHIFT
+    else:
+        out_scale = OUT_SCALE
     for t in tl.static_range(TILES):
         for i in tl.static_range(NACC):
             row = 8 * (i // 4) + 2 * q + (i % 2)
             c = col + 16 * t + 8 * ((i % 4) // 2)
-            v = acc[NACC * t + i] * OUT_SCALE
-            if ONE_GROUP:
+            v = acc[NACC * t + i] * out_scale
+            if ONE_GROUP and not FP4:
                 v = v * tl.load(s_ptr + c, mask=c < N, other=0.0).to(tl.float32)
             ok = (row < M) & (c < N)
             if n_split == 1:

@@ -1,6 +1,7 @@
-"""The W4A16 kernel for 1-16 rows on ``mma.sync`` (``matmul_mma_rows``): its MMA emulation against the fragment
-layout of the PTX ISA, the kernel against the PyTorch reference under the Triton interpreter, and on a GPU the
-PTX against the emulation and the reference at SALA shapes (CUDA only)."""
+"""The 4-bit kernel for 1-16 rows on ``mma.sync`` (``kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
+``nvfp4_mma_rows`` for NVFP4): its MMA emulation against the fragment layout of the PTX ISA, the kernel against the
+PyTorch references under the Triton interpreter, and on a GPU the PTX against the emulation and the references at
+SALA shapes (CUDA only)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from error_bounds import assert_within
+from salaquant.kernels import mma_rows
 from salaquant.kernels.counters import arrival_counters
-from salaquant.kernels.w4a16 import dequantize, mma_rows, w4a16_matmul_reference
+from salaquant.kernels.nvfp4 import dequantize as nvfp4_dequantize
+from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
+
+from salaquant.nvfp4.numerics import quantize_nvfp4
 
 # Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;
 # what remains is the output's rounding to nearest (2**-11 fp16, 2**-9 bf16), with room for the fp32 sums.
@@ -36,10 +42,7 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
     ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs).double()
     w = dequantize(qweight, scales.float(), 4, gs).double()
     bound = TOL[x.dtype] * (x.double().abs() @ w.abs().t())
-    err = (y.double() - ref).abs()
-    bad = ~(err <= bound)
-    worst = float((err / bound).nan_to_num(1e9).max())
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} outputs off, worst err/bound {worst:.3g}"
+    assert_within(y, ref, bound, what)
 
 
 def _pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -166,4 +169,74 @@ def test_gpu_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> N
     what = f"seed={seed} M={m} K={k} N={n}"
     _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " PTX")
     _bound_check(emulated.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " emulation")
+    torch.testing.assert_close(got.float(), emulated.float(), rtol=2**-7, atol=1e-3, msg=lambda s: f"{what}: {s}")
+
+
+def _nvfp4_operands(seed: int, m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x.to(device), q.weight.to(device), q.weight_scale.to(device), q.weight_scale_2.to(device)
+
+
+def _nvfp4_bound_check(y: torch.Tensor, x: torch.Tensor, weight, scale, s2, what: str) -> None:
+    """``|y - x W^T| <= TOL * (|x| @ |W|^T)`` elementwise against the float64 product of the dequantized weight."""
+    w = nvfp4_dequantize(weight.cpu(), scale.cpu(), s2.cpu()).double()
+    xd = x.cpu().double()
+    bound = TOL[x.dtype] * (xd.abs() @ w.abs().t())
+    assert_within(y.cpu(), xd @ w.t(), bound, what)
+
+
+# (M, K, N, dtype, tiles, warps, splits)
+NVFP4_CASES = [
+    (1, 256, 48, torch.bfloat16, 1, 1, 2),
+    (7, 384, 80, torch.float16, 2, 2, 3),
+    (12, 256, 64, torch.bfloat16, 2, 2, 1),
+]
+
+
+@pytest.mark.parametrize("case", NVFP4_CASES, ids=[f"m{c[0]}-k{c[1]}" for c in NVFP4_CASES])
+def test_nvfp4_mma_rows_matches_reference(case: tuple) -> None:
+    """NVFP4 words ``[N, K/8]``, each pair scaled by its block's FP8 scale before the MMA and the global scale at the
+    end; partial column tiles and uneven splits, the output poisoned first."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    m, k, n, dtype, tiles, warps, split = case
+    seed = _seed()
+    x, weight, scale, s2 = _nvfp4_operands(seed, m, k, n, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = nk.nvfp4_mma_rows(x, weight, scale, s2, out=out, split_k=split, tiles=tiles, num_warps=warps)
+    assert y is out
+    _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} M={m} K={k} N={n} {dtype} split={split}")
+    assert not bool(arrival_counters(torch.device("cpu"), 1).any()), "a split left its arrival counter set"
+
+
+def test_nvfp4_mma_rows_refuses_what_it_cannot_run() -> None:
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    x, weight, scale, s2 = _nvfp4_operands(0, 2, 256, 32, torch.float16)
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        nk.nvfp4_mma_rows(x.float(), weight, scale, s2)
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        nk.nvfp4_mma_rows(torch.zeros(17, 256, dtype=torch.float16), weight, scale, s2)
+    x96, weight96, scale96, s296 = _nvfp4_operands(0, 2, 96, 32, torch.float16)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        nk.nvfp4_mma_rows(x96, weight96, scale96, s296)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
+def test_gpu_nvfp4_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> None:
+    """NVFP4: the PTX against its emulation on the same GPU and both within the bound of the reference."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    k, n = shape
+    seed = _seed()
+    x, weight, scale, s2 = _nvfp4_operands(seed, m, k, n, torch.bfloat16, "cuda")
+    got = nk.nvfp4_mma_rows(x, weight, scale, s2)
+    emulated = nk.nvfp4_mma_rows(x, weight, scale, s2, emulate=True)
+    what = f"seed={seed} M={m} K={k} N={n}"
+    _nvfp4_bound_check(got, x, weight, scale, s2, what + " PTX")
+    _nvfp4_bound_check(emulated, x, weight, scale, s2, what + " emulation")
     torch.testing.assert_close(got.float(), emulated.float(), rtol=2**-7, atol=1e-3, msg=lambda s: f"{what}: {s}")

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
 from .split_k import finish, k_range
 
-__all__ = ["OUT_SHIFT", "nvfp4_paired_gemv_kernel"]
+__all__ = ["E2M1_PAIRS_PTX", "OUT_SHIFT", "e2m1_pair", "nvfp4_paired_gemv_kernel", "scale_pair"]
 
 OUT_SHIFT = tl.constexpr(2.0**14)
 """The weights are used as ``e2m1 * scale * 2**-14``: the accumulated sum is multiplied by this (and the global
@@ -38,31 +38,36 @@ _SIGN = i32(0x80008000)
 _F16_256 = i32(0x5C005C00)  # a pair of fp16 256.0
 _F16_NAN = i32(0x7E007E00)
 
+E2M1_PAIRS_PTX = """shl.b32 t, {w}, 9;
+shl.b32 u, {w}, 12;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 {a}0, u, 0x80008000, t, 0xEA;
+shl.b32 t, {w}, 5;
+shl.b32 u, {w}, 8;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 {a}1, u, 0x80008000, t, 0xEA;
+shl.b32 t, {w}, 1;
+shl.b32 u, {w}, 4;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 {a}2, u, 0x80008000, t, 0xEA;
+shr.u32 t, {w}, 3;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 {a}3, {w}, 0x80008000, t, 0xEA;
+mul.rn.f16x2 {a}0, {a}0, {s};
+mul.rn.f16x2 {a}1, {a}1, {s};
+mul.rn.f16x2 {a}2, {a}2, {s};
+mul.rn.f16x2 {a}3, {a}3, {s};
+"""
+"""PTX (a ``str.format`` template) turning int32 word ``{w}`` into the fp16 pairs ``{a}0..3`` = codes ``(i, i + 4)``
+as ``e2m1 * 2**-14`` times the block scale pair ``{s}``; the caller's block declares ``.reg .b32 t, u``."""
+
 _WORD_PTX = tl.constexpr(
     """{
 .reg .b32 t, u, a0, a1, a2, a3, p;
 .reg .b16 l16, h16;
 .reg .f32 lf, hf;
-shl.b32 t, $1, 9;
-shl.b32 u, $1, 12;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 a0, u, 0x80008000, t, 0xEA;
-shl.b32 t, $1, 5;
-shl.b32 u, $1, 8;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 a1, u, 0x80008000, t, 0xEA;
-shl.b32 t, $1, 1;
-shl.b32 u, $1, 4;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 a2, u, 0x80008000, t, 0xEA;
-shr.u32 t, $1, 3;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 a3, $1, 0x80008000, t, 0xEA;
-mul.rn.f16x2 a0, a0, $6;
-mul.rn.f16x2 a1, a1, $6;
-mul.rn.f16x2 a2, a2, $6;
-mul.rn.f16x2 a3, a3, $6;
 """
+    + E2M1_PAIRS_PTX.format(w="$1", a="a", s="$6")
     + DOT4_PTX
     + """add.f32 $0, lf, $7;
 }"""
@@ -71,7 +76,7 @@ _MUL2_PTX = tl.constexpr("mul.rn.f16x2 $0, $1, $2;")
 
 
 @triton.jit
-def _e2m1_pair(w, I: tl.constexpr):
+def e2m1_pair(w, I: tl.constexpr):
     """Codes ``I`` and ``I + 4`` of int32 words ``w`` as an fp16 pair ``e2m1 * 2**-14`` (emulation path)."""
     u = w.to(tl.uint32, bitcast=True)
     mag = ((u << (9 - 4 * I)) if I < 3 else (u >> 3)).to(tl.int32, bitcast=True)
@@ -89,10 +94,10 @@ def _word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
         )
     else:
         zero = tl.zeros(words.shape, tl.int32)
-        a0 = emulated_fma2(_e2m1_pair(words, 0), scale, zero)
-        a1 = emulated_fma2(_e2m1_pair(words, 1), scale, zero)
-        a2 = emulated_fma2(_e2m1_pair(words, 2), scale, zero)
-        a3 = emulated_fma2(_e2m1_pair(words, 3), scale, zero)
+        a0 = emulated_fma2(e2m1_pair(words, 0), scale, zero)
+        a1 = emulated_fma2(e2m1_pair(words, 1), scale, zero)
+        a2 = emulated_fma2(e2m1_pair(words, 2), scale, zero)
+        a3 = emulated_fma2(e2m1_pair(words, 3), scale, zero)
         p = emulated_fma2(a0, x0, zero)
         p = emulated_fma2(a1, x1, p)
         p = emulated_fma2(a2, x2, p)
@@ -101,7 +106,7 @@ def _word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scale_pair(s, ASM: tl.constexpr):
+def scale_pair(s, ASM: tl.constexpr):
     """FP8 E4M3 bytes ``s`` (uint8) as fp16 pairs ``(scale, scale)``, exact; 0x7F / 0xFF give NaN pairs."""
     v = s.to(tl.int32)
     bits = ((v << 8) & 0x8000) | ((v << 7) & 0x3F80)  # fp16 pattern of scale * 2**-8 (subnormal scales included)
@@ -176,7 +181,7 @@ def nvfp4_paired_gemv_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (words < 2 * nb)[None, :], other=0)
             s = tl.load(s_ptrs, mask=n_ok[:, None] & b_ok[None, :], other=0)
         w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, BLOCK_B, 2)))
-        sc = _scale_pair(s, ASM)
+        sc = scale_pair(s, ASM)
         e0, e1, e2, e3 = _x_pairs(x_ptr, blocks, b_ok, shape, 0, BF16, ASM)
         o0, o1, o2, o3 = _x_pairs(x_ptr, blocks, b_ok, shape, 1, BF16, ASM)
         acc = _word_dot(w_even, e0, e1, e2, e3, sc, acc, ASM)

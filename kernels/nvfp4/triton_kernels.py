@@ -53,6 +53,7 @@ import triton.language as tl
 from ..counters import arrival_counters
 from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv
+from ..mma_rows import mma_rows_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
 from .split_k import finish, k_range
@@ -63,6 +64,7 @@ __all__ = [
     "default_config",
     "nvfp4_dequantize_triton",
     "nvfp4_matmul_triton",
+    "nvfp4_mma_rows",
 ]
 
 GEMV_MAX_M = 0
@@ -506,6 +508,58 @@ def nvfp4_matmul_triton(
             BF16=bf16, X_F32=x.dtype == torch.float32, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+    return out
+
+
+MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
+"""``nvfp4_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program); from the sm_90 build
+(126 registers), not yet from timings."""
+
+
+def nvfp4_mma_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor | float,
+    *,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+    tiles: int = MMA_ROWS_CONFIG["tiles"],
+    num_warps: int = MMA_ROWS_CONFIG["num_warps"],
+    emulate: bool = False,
+) -> torch.Tensor:
+    """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``kernels/mma_rows.py``): 1 to 16 fp16/bf16
+    rows whose magnitude fits fp16, K a multiple of 128. Not chosen by ``nvfp4_matmul_triton`` yet (its speed has not
+    been measured). ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's
+    emulation of the PTX on a GPU too."""
+    _check_device(x)
+    n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
+    if x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= 16 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
+    if k % 128:
+        raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
+    for name, value in (("tiles", tiles), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
+    n_tiles = cdiv(n, 16 * tiles * num_warps)
+    if split_k is None:
+        split_k = _pick_split(n_tiles, k // 128, _programs_target(x.device) * 4, 1)
+    split = max(1, min(int(split_k), k // 128))
+    split = cdiv(k // 128, cdiv(k // 128, split))  # no empty split
+    ws = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    if x.device.type != "cuda":
+        ws.fill_(float("nan"))  # a read of an unwritten partial shows in the result
+    mma_rows_kernel[(n_tiles, split)](
+        x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0),
+        GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=m > 8, FP4=True, BF16=x.dtype == torch.bfloat16,
+        ASM=not emulate and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps, num_stages=1,
+    )  # fmt: skip
     return out
 
 

@@ -21,7 +21,7 @@ the grids and workspaces and picks the path. Paths, chosen by ``matmul`` from th
   activations and groups of 32, 64 or a multiple of 128 (or one group); other cases take ``flat``.
 * ``matmul_mma_rows`` (not chosen by ``matmul`` yet: its speed has not been measured): 1 to 16 rows on
   ``mma.sync`` fed from registers, every tensor one element per thread so that each thread loads its own
-  fragments (``mma_rows``); the same paired dequantization as ``paired``, fp32 products and sums.
+  fragments (``kernels/mma_rows.py``); the same paired dequantization as ``paired``, fp32 products and sums.
 * ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short, fully unrolled
   run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in natural K
   order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core reduction for
@@ -54,11 +54,11 @@ from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv, next_power_of_2
+from ..mma_rows import mma_rows_kernel
 from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
 from .flat import flat_kernel
 from .gemv import gemv_kernel
-from .mma_rows import mma_rows_kernel
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
 from .tiled import tiled_kernel
@@ -344,6 +344,7 @@ def matmul_mma_rows(
         x,
         qweight,
         scales,
+        scales,  # no global scale
         y,
         _partials(x, splits, m, n),
         arrival_counters(x.device, n_tiles),
@@ -356,6 +357,7 @@ def matmul_mma_rows(
         TILES=tiles,
         WARPS=num_warps,
         TWO=m > 8,
+        FP4=False,
         BF16=x.dtype == torch.bfloat16,
         ASM=not (_INTERPRET or emulate),
         num_warps=num_warps,
