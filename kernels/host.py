@@ -1,10 +1,12 @@
-"""Host-side integer helpers for the kernel launchers.
+"""Host-side helpers for the kernel launchers.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are wrapped as Triton functions in recent releases, and a call
 from Python costs microseconds; launchers run these several times per call, so they use the plain versions.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,3 +17,14 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two ``>= n`` (0 for 0, as ``triton.next_power_of_2``)."""
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def pair_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D activations) if its rows are contiguous and, for 16-bit dtypes, every row starts on a 4-byte
+    boundary, so that kernels may read it as int32 pairs; otherwise a fresh contiguous copy (a view at an odd element
+    offset, or with an odd row stride, would make those loads misaligned on a GPU)."""
+    if x.stride(-1) != 1:
+        return x.contiguous()
+    if x.element_size() == 2 and (x.data_ptr() % 4 or (x.shape[0] > 1 and x.stride(0) % 2)):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x

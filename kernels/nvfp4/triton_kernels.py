@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ..counters import arrival_counters
 from ..device import cuda_facts as _cuda_facts
-from ..host import cdiv
+from ..host import cdiv, pair_aligned
 from ..mma_rows import mma_rows_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
@@ -454,9 +454,7 @@ def nvfp4_matmul_triton(
     n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = pair_aligned(x.reshape(-1, k))
     m = x2.shape[0]
     out_shape = (*x.shape[:-1], n)
     if out is None:
@@ -541,7 +539,7 @@ def nvfp4_mma_rows(
     for name, value in (("tiles", tiles), ("num_warps", num_warps)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    x = x.contiguous()
+    x = pair_aligned(x)
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)

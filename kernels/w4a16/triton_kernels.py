@@ -53,7 +53,7 @@ from torch import Tensor
 from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
-from ..host import cdiv, next_power_of_2
+from ..host import cdiv, next_power_of_2, pair_aligned
 from ..mma_rows import mma_rows_kernel
 from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
@@ -162,9 +162,7 @@ def _prepare(x: Tensor, qweight: Tensor, scales: Tensor, bits: int, group_size: 
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device} but qweight is on {qweight.device}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    return x, qweight.contiguous(), scales.contiguous(), k, n, _kernel_group(gs, k)
+    return pair_aligned(x), qweight.contiguous(), scales.contiguous(), k, n, _kernel_group(gs, k)
 
 
 def _output(out: Tensor | None, m: int, n: int, x: Tensor) -> Tensor:
