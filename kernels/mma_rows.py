@@ -97,15 +97,11 @@ def _constraints(two: bool, fp4: bool) -> str:
     return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * (2 if fp4 else 7))
 
 
-_PTX = {(two, fp4): tl.constexpr(_round_ptx(two, fp4)) for two in (False, True) for fp4 in (False, True)}
-_CONSTRAINTS = {(two, fp4): tl.constexpr(_constraints(two, fp4)) for two in (False, True) for fp4 in (False, True)}
-PTX_ONE, PTX_TWO, PTX_ONE_FP4, PTX_TWO_FP4 = _PTX[False, False], _PTX[True, False], _PTX[False, True], _PTX[True, True]
-CON_ONE, CON_TWO, CON_ONE_FP4, CON_TWO_FP4 = (
-    _CONSTRAINTS[False, False],
-    _CONSTRAINTS[True, False],
-    _CONSTRAINTS[False, True],
-    _CONSTRAINTS[True, True],
-)
+# one PTX block and constraint string per case: up to 8 rows or 16 ("TWO"), GPTQ or NVFP4 ("FP4")
+PTX_ONE, CON_ONE = tl.constexpr(_round_ptx(False, False)), tl.constexpr(_constraints(False, False))
+PTX_TWO, CON_TWO = tl.constexpr(_round_ptx(True, False)), tl.constexpr(_constraints(True, False))
+PTX_ONE_FP4, CON_ONE_FP4 = tl.constexpr(_round_ptx(False, True)), tl.constexpr(_constraints(False, True))
+PTX_TWO_FP4, CON_TWO_FP4 = tl.constexpr(_round_ptx(True, True)), tl.constexpr(_constraints(True, True))
 
 
 @triton.jit
