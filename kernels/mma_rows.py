@@ -225,10 +225,17 @@ def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, ASM: tl.constexpr
     (per thread; zeros for rows past ``M``)."""
     ok = row < M
     xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
-    v01 = f16_pair(tl.load(xb + 0, mask=ok, other=0), BF16, ASM)
-    v23 = f16_pair(tl.load(xb + 1, mask=ok, other=0), BF16, ASM)
-    v45 = f16_pair(tl.load(xb + 2, mask=ok, other=0), BF16, ASM)
-    v67 = f16_pair(tl.load(xb + 3, mask=ok, other=0), BF16, ASM)
+    # the word row's eight activations as one 16-byte load per thread ([threads, 4] int32, a row per thread)
+    v = tl.load(xb[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # int32 pairs 0 and 2, 1 and 3
+    v01, v45 = tl.split(even)
+    v23, v67 = tl.split(odd)
+    v01, v23, v45, v67 = (
+        f16_pair(v01, BF16, ASM),
+        f16_pair(v23, BF16, ASM),
+        f16_pair(v45, BF16, ASM),
+        f16_pair(v67, BF16, ASM),
+    )
     return halves(v01, v45, False), halves(v01, v45, True), halves(v23, v67, False), halves(v23, v67, True)
 
 

@@ -511,7 +511,7 @@ def nvfp4_matmul_triton(
 
 MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
 """``nvfp4_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program); from the sm_90 build
-(126 registers), not yet from timings."""
+(126-128 registers), not yet from timings."""
 
 
 def nvfp4_mma_rows(

@@ -294,8 +294,8 @@ def matmul_paired(
 
 MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
 """``matmul_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program). Chosen from the sm_90
-build, not yet from timings: 72 registers per thread for up to 8 rows and 96 for 9-16 (4 tiles: 144 and 190), so
-enough programs fit an SM to keep 40-57 KB of words in flight (``benchmarks/w4a16_mma_rows.py`` times the others)."""
+build, not yet from timings: 71 registers per thread for up to 8 rows and 104 for 9-16 (4 tiles: 154 and 194), so
+enough programs fit an SM to keep 40-57 KB of words in flight (``benchmarks/mma_rows.py`` times the others)."""
 
 
 def _mma_rows_group(k: int, gs: int) -> int:
