@@ -17,15 +17,16 @@ for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes 
 use a word's eight codes; a second pair of MMAs takes activation rows 8-15 when there are more than 8.
 
 A warp owns ``16 * TILES`` columns. GPTQ (``[K / 8, N]`` words): each MMA accumulates one group's products (fp32,
-C chained), which are then scaled by the group's column scales into the output accumulators; codes enter as
-``(code - 8) / 32`` (exact in fp16). NVFP4 (``FP4``: ``[N, K / 8]`` words, FP8 scales per 16 inputs): the block
-scale multiplies each pair before the MMA (``e2m1 * scale * 2**-14``, as in the one-row kernel, exact unless
-below fp16's normal range) and the global scale applies at the end. The next group's (or 128 inputs') words are
-loaded while this one's are multiplied (2 tiles: 16 words per thread in flight).
+C chained), which are then scaled by the group's column scales into the output accumulators. With bf16 activations
+the MMA is the ``.bf16`` one: the codes enter as bf16 ``code - 8`` (masked into the mantissa of 128.0, then 136
+subtracted; a shift per pair of codes) and the activations as they are, exactly, whatever their magnitude. With fp16
+activations the codes enter as ``(code - 8) / 32``, exact in fp16. NVFP4 (``FP4``: ``[N, K / 8]`` words, FP8
+scales per 16 inputs): the block scale multiplies each pair before the MMA (``e2m1 * scale * 2**-14``, as in the
+one-row kernel, exact unless below fp16's normal range) and the global scale applies at the end. The next group's
+(or 128 inputs') words are loaded while this one's are multiplied (2 tiles: 16 words per thread in flight).
 
-Codes enter as ``(code - 8) / 32`` (exact in fp16); activations are rounded to fp16 (as in the one-row kernel:
-exact for bf16 values of magnitude 2**-14 to 65504); products and sums are fp32 in the tensor core. Split-K as the
-other kernels (``split_k.py``).
+Products and sums are fp32 in the tensor core. NVFP4 with bf16 activations rounds them to fp16 (as the one-row
+kernel does: exact for magnitudes between 2**-14 and 65504). Split-K as the other kernels (``split_k.py``).
 
 Under the Triton interpreter the PTX does not run: each thread is the tensor element of its index and the MMA is
 emulated on the same registers (``emulated_mma``: the fragments of the PTX ISA, gathered per warp and multiplied in
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
-from .paired_f16 import emulated_fma2, f16_pair, half, halves
+from .paired_f16 import emulated_fma2, f16_pair, half, halves, i32
 from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 from .w4a16.split_k import finish_split_k
 
@@ -62,12 +63,25 @@ fma.rn.f16x2 {out}3, {out}3, {himul}, {hiadd};
 """
 
 
-def _round_ptx(two: bool, fp4: bool) -> str:
+def _dequant_bf16_ptx(word: str, out: str, k: list[str]) -> str:
+    """PTX turning int32 ``word`` into the bf16 pairs ``{out}0..3`` = ``(c_j - 8, c_{j+4} - 8)`` (exact): each pair's
+    two codes are shifted to bit 0 of their halves, masked into the mantissas of bf16 128.0 and 136 is subtracted
+    (``k``: the mask, the magic pair, a pair of 1.0 and a pair of -136; operands 3 and 5-7 of the seven unused)."""
+    mask, magic, _, one, minus136, _, _ = k
+    lines = [f"lop3.b32 {out}0, {word}, {mask}, {magic}, 0xEA;"]
+    for j in (1, 2, 3):
+        lines += [f"shr.u32 q8, {word}, {4 * j};", f"lop3.b32 {out}{j}, q8, {mask}, {magic}, 0xEA;"]
+    lines += [f"fma.rn.bf16x2 {out}{j}, {out}{j}, {one}, {minus136};" for j in range(4)]
+    return "\n".join(lines) + "\n"
+
+
+def _round_ptx(two: bool, fp4: bool, bf16: bool = False) -> str:
     """One round of one column tile: the words of columns g and g + 8, four MMAs (two without ``two``).
 
     Operands: outputs ``$0..$3`` (rows 0-7) [and ``$4..$7`` (rows 8-15)], then the two words, the activation pairs
     of row g [and of row g + 8], the accumulators in the same order, and the seven GPTQ dequantization constants
-    (or, with ``fp4``, the block scale pairs of columns g and g + 8)."""
+    (or, with ``fp4``, the block scale pairs of columns g and g + 8). With ``bf16`` (GPTQ only) the codes become
+    bf16 ``c - 8`` and the MMA takes bf16 operands: the activations as they are."""
     n_out = 8 if two else 4
     wg, wh = f"${n_out}", f"${n_out + 1}"
     p = [f"${n_out + 2 + i}" for i in range(4)]
@@ -80,9 +94,12 @@ def _round_ptx(two: bool, fp4: bool) -> str:
     lines += [f"mov.f32 e{i}, {a};" for i, a in enumerate(acc)]
     if fp4:
         lines.append(E2M1_PAIRS_PTX.format(w=wg, a="g", s=k[0]) + E2M1_PAIRS_PTX.format(w=wh, a="h", s=k[1]))
+    elif bf16:
+        lines.append(_dequant_bf16_ptx(wg, "g", k) + _dequant_bf16_ptx(wh, "h", k))
     else:
         lines.append(_dequant_ptx(wg, "g", k) + _dequant_ptx(wh, "h", k))
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    kind = "bf16" if bf16 else "f16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     for half_rows, pairs in ((0, p), (1, q)) if two else ((0, p),):
         e = "{" + ", ".join(f"e{4 * half_rows + i}" for i in range(4)) + "}"
         lines.append(f"{mma} {e}, {{g0, h0, g1, h1}}, {{{pairs[0]}, {pairs[1]}}}, {e};")
@@ -102,6 +119,36 @@ PTX_ONE, CON_ONE = tl.constexpr(_round_ptx(False, False)), tl.constexpr(_constra
 PTX_TWO, CON_TWO = tl.constexpr(_round_ptx(True, False)), tl.constexpr(_constraints(True, False))
 PTX_ONE_FP4, CON_ONE_FP4 = tl.constexpr(_round_ptx(False, True)), tl.constexpr(_constraints(False, True))
 PTX_TWO_FP4, CON_TWO_FP4 = tl.constexpr(_round_ptx(True, True)), tl.constexpr(_constraints(True, True))
+PTX_ONE_BF16, PTX_TWO_BF16 = tl.constexpr(_round_ptx(False, False, True)), tl.constexpr(_round_ptx(True, False, True))
+_BF16_MASK, _BF16_MAGIC = i32(0x000F000F), i32(0x43004300)  # codes at bit 0 of each half; a pair of bf16 128.0
+_BF16_ONE, _BF16_MINUS136 = i32(0x3F803F80), i32(0xC308C308)  # pairs of bf16 1.0 and -136.0
+
+
+@triton.jit
+def _bf16_constants(shape: tl.constexpr):
+    """The seven operands of ``_dequant_bf16_ptx``, in the order of the fp16 dequantization's (unused ones zero)."""
+    zero = tl.zeros(shape, tl.int32)
+    return (
+        tl.full(shape, _BF16_MASK, tl.int32),
+        tl.full(shape, _BF16_MAGIC, tl.int32),
+        zero,
+        tl.full(shape, _BF16_ONE, tl.int32),
+        tl.full(shape, _BF16_MINUS136, tl.int32),
+        zero,
+        zero,
+    )
+
+
+@triton.jit
+def _bf16_codes(words):
+    """The interpreter's ``_dequant_bf16_ptx``: the bf16 pairs ``(c_j - 8, c_{j+4} - 8)`` of each word (int32)."""
+    u = words.to(tl.uint32, bitcast=True)
+    out = ()
+    for j in tl.static_range(4):
+        lo = (((u >> (4 * j)) & 0xF).to(tl.int32) - 8).to(tl.float32).to(tl.int32, bitcast=True)
+        hi = (((u >> (4 * j + 16)) & 0xF).to(tl.int32) - 8).to(tl.float32).to(tl.int32, bitcast=True)
+        out = out + (((lo >> 16) & 0xFFFF) | (hi & -65536),)  # noqa: RUF005 (exact: small integers)
+    return out
 
 
 @triton.jit
@@ -121,8 +168,14 @@ def _by_lane(v, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _halves32(v, WARPS: tl.constexpr):
-    return _by_lane(half(v, False), WARPS), _by_lane(half(v, True), WARPS)
+def _halves32(v, WARPS: tl.constexpr, BF16: tl.constexpr):
+    """The two 16-bit halves of int32 ``v`` (fp16, or bf16 with ``BF16``) as fp32, by lane."""
+    if BF16:
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        hi = (v & -65536).to(tl.float32, bitcast=True)
+        return _by_lane(lo, WARPS), _by_lane(hi, WARPS)
+    else:
+        return _by_lane(half(v, False), WARPS), _by_lane(half(v, True), WARPS)
 
 
 @triton.jit
@@ -136,19 +189,20 @@ def _pick(tile, PAIR: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
-def emulated_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr):
+def emulated_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr, BF16: tl.constexpr = False):
     """``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` on per-thread registers (element ``i`` of each
     ``[32 * WARPS]`` tensor is thread ``i``): fp16 pairs ``a0..a3`` and ``b0, b1`` as int32, fp32 ``c0..c3``.
 
     Fragments (PTX ISA), lane ``4 g + q``: ``a0`` = A[g][2q, 2q+1], ``a1`` = A[g+8][2q, 2q+1], ``a2`` =
     A[g][2q+8, 2q+9], ``a3`` = A[g+8][2q+8, 2q+9]; ``b0`` = B[2q, 2q+1][g], ``b1`` = B[2q+8, 2q+9][g]; ``c0, c1`` =
-    C[g][2q, 2q+1], ``c2, c3`` = C[g+8][2q, 2q+1]. Returns ``d0..d3`` = (A B + C) in the C fragment (fp32)."""
-    a0l, a0h = _halves32(a0, WARPS)
-    a1l, a1h = _halves32(a1, WARPS)
-    a2l, a2h = _halves32(a2, WARPS)
-    a3l, a3h = _halves32(a3, WARPS)
-    b0l, b0h = _halves32(b0, WARPS)
-    b1l, b1h = _halves32(b1, WARPS)
+    C[g][2q, 2q+1], ``c2, c3`` = C[g+8][2q, 2q+1]. Returns ``d0..d3`` = (A B + C) in the C fragment (fp32). ``BF16``:
+    the ``.bf16`` form (bf16 pairs)."""
+    a0l, a0h = _halves32(a0, WARPS, BF16)
+    a1l, a1h = _halves32(a1, WARPS, BF16)
+    a2l, a2h = _halves32(a2, WARPS, BF16)
+    a3l, a3h = _halves32(a3, WARPS, BF16)
+    b0l, b0h = _halves32(b0, WARPS, BF16)
+    b1l, b1h = _halves32(b1, WARPS, BF16)
     # D[r][n] = sum over lanes q of the four slots lane (r, q) holds of A times those lane (n, q) holds of B
     top = tl.sum(
         a0l[:, :, None, :] * b0l[:, None, :, :]
@@ -185,7 +239,20 @@ def _fp4_pairs(words, scale):
 
 
 @triton.jit
-def _round(wg, wh, sg, sh, p, q, acc, TWO: tl.constexpr, FP4: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr):
+def _round(
+    wg,
+    wh,
+    sg,
+    sh,
+    p,
+    q,
+    acc,
+    TWO: tl.constexpr,
+    FP4: tl.constexpr,
+    MMA_BF16: tl.constexpr,
+    WARPS: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """One round of one column tile: ``acc`` (4 or 8 fp32 per thread) plus the products of the words ``wg`` and
     ``wh`` (columns g and g + 8; NVFP4 block scale pairs ``sg``, ``sh``) with the activation pairs ``p`` (row g) and
     ``q`` (row g + 8)."""
@@ -196,6 +263,12 @@ def _round(wg, wh, sg, sh, p, q, acc, TWO: tl.constexpr, FP4: tl.constexpr, WARP
             return tl.inline_asm_elementwise(PTX_TWO_FP4, CON_TWO_FP4, (wg, wh) + p + q + acc + (sg, sh), f8, True, 1)  # noqa: RUF005
         elif FP4:
             return tl.inline_asm_elementwise(PTX_ONE_FP4, CON_ONE_FP4, (wg, wh) + p + acc + (sg, sh), f4, True, 1)  # noqa: RUF005
+        elif MMA_BF16 and TWO:
+            consts = _bf16_constants(wg.shape)
+            return tl.inline_asm_elementwise(PTX_TWO_BF16, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
+        elif MMA_BF16:
+            consts = _bf16_constants(wg.shape)
+            return tl.inline_asm_elementwise(PTX_ONE_BF16, CON_ONE, (wg, wh) + p + acc + consts, f4, True, 1)  # noqa: RUF005
         elif TWO:
             consts = dequant_constants(wg.shape)
             return tl.inline_asm_elementwise(PTX_TWO, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
@@ -206,23 +279,26 @@ def _round(wg, wh, sg, sh, p, q, acc, TWO: tl.constexpr, FP4: tl.constexpr, WARP
         if FP4:
             g0, g1, g2, g3 = _fp4_pairs(wg, sg)
             h0, h1, h2, h3 = _fp4_pairs(wh, sh)
+        elif MMA_BF16:
+            g0, g1, g2, g3 = _bf16_codes(wg)
+            h0, h1, h2, h3 = _bf16_codes(wh)
         else:
             g0, g1, g2, g3 = emulated_pairs(wg)
             h0, h1, h2, h3 = emulated_pairs(wh)
-        d = emulated_mma(g0, h0, g1, h1, p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS)
-        d = emulated_mma(g2, h2, g3, h3, p[2], p[3], d[0], d[1], d[2], d[3], WARPS)
+        d = emulated_mma(g0, h0, g1, h1, p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS, MMA_BF16)
+        d = emulated_mma(g2, h2, g3, h3, p[2], p[3], d[0], d[1], d[2], d[3], WARPS, MMA_BF16)
         if TWO:
-            e = emulated_mma(g0, h0, g1, h1, q[0], q[1], acc[4], acc[5], acc[6], acc[7], WARPS)
-            e = emulated_mma(g2, h2, g3, h3, q[2], q[3], e[0], e[1], e[2], e[3], WARPS)
+            e = emulated_mma(g0, h0, g1, h1, q[0], q[1], acc[4], acc[5], acc[6], acc[7], WARPS, MMA_BF16)
+            e = emulated_mma(g2, h2, g3, h3, q[2], q[3], e[0], e[1], e[2], e[3], WARPS, MMA_BF16)
             return d + e
         else:
             return d
 
 
 @triton.jit
-def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, ASM: tl.constexpr):
-    """The fp16 pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow``
-    (per thread; zeros for rows past ``M``)."""
+def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr):
+    """The pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow`` (per
+    thread; zeros for rows past ``M``): fp16, or with ``RAW`` in the activations' own 16-bit type."""
     ok = row < M
     xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
     # the word row's eight activations as one 16-byte load per thread ([threads, 4] int32, a row per thread)
@@ -230,12 +306,9 @@ def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, ASM: tl.constexpr
     even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # int32 pairs 0 and 2, 1 and 3
     v01, v45 = tl.split(even)
     v23, v67 = tl.split(odd)
-    v01, v23, v45, v67 = (
-        f16_pair(v01, BF16, ASM),
-        f16_pair(v23, BF16, ASM),
-        f16_pair(v45, BF16, ASM),
-        f16_pair(v67, BF16, ASM),
-    )
+    if not RAW:
+        v01, v23 = f16_pair(v01, BF16, ASM), f16_pair(v23, BF16, ASM)
+        v45, v67 = f16_pair(v45, BF16, ASM), f16_pair(v67, BF16, ASM)
     return halves(v01, v45, False), halves(v01, v45, True), halves(v23, v67, False), halves(v23, v67, True)
 
 
@@ -305,6 +378,7 @@ def mma_rows_kernel(
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
     NACC: tl.constexpr = 8 if TWO else 4
+    MMA_BF16: tl.constexpr = BF16 and not FP4  # GPTQ with bf16 activations: bf16 MMA, codes as c - 8
     NW: tl.constexpr = 2 * TILES * ROUNDS  # words per thread and group (the scale bytes follow them with FP4)
     BLOCK_N: tl.constexpr = 16 * TILES * WARPS
     tid = _thread_index(WARPS, ASM)
@@ -329,9 +403,9 @@ def mma_rows_kernel(
             part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
-            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, ASM)
+            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, MMA_BF16, ASM)
             if TWO:  # noqa: SIM108 (a constexpr branch)
-                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, ASM)
+                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, MMA_BF16, ASM)
             else:
                 qp = p
             new = ()
@@ -347,7 +421,7 @@ def mma_rows_kernel(
                 else:  # unused
                     sg = wg
                     sh = wh
-                new = new + _round(wg, wh, sg, sh, p, qp, sub, TWO, FP4, WARPS, ASM)
+                new = new + _round(wg, wh, sg, sh, p, qp, sub, TWO, FP4, MMA_BF16, WARPS, ASM)
             part = new
         loaded = nxt
         if FP4:
@@ -372,8 +446,10 @@ def mma_rows_kernel(
 
     # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
     n_split = tl.num_programs(1)
-    if FP4:  # noqa: SIM108 (a constexpr branch)
+    if FP4:
         out_scale = tl.load(gs_ptr) * OUT_SHIFT
+    elif MMA_BF16:
+        out_scale = 1.0
     else:
         out_scale = OUT_SCALE
     for t in tl.static_range(TILES):

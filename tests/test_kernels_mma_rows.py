@@ -46,12 +46,12 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
 
 
 def _pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """fp16 values ``lo``, ``hi`` packed into int32 registers, ``lo`` in the low half."""
-    return torch.stack([lo.half(), hi.half()], dim=-1).view(torch.int32).squeeze(-1)
+    """16-bit values ``lo``, ``hi`` (fp16 or bf16) packed into int32 registers, ``lo`` in the low half."""
+    return torch.stack([lo, hi], dim=-1).view(torch.int32).squeeze(-1)
 
 
 @triton.jit
-def _mma_probe(a_ptr, b_ptr, c_ptr, d_ptr, WARPS: tl.constexpr):
+def _mma_probe(a_ptr, b_ptr, c_ptr, d_ptr, WARPS: tl.constexpr, BF16: tl.constexpr):
     """``emulated_mma`` on registers loaded per thread: a 4, b 2, c 4 values per thread, d 4 out."""
     i = tl.arange(0, 32 * WARPS)
     d = mma_rows.emulated_mma(
@@ -66,19 +66,21 @@ def _mma_probe(a_ptr, b_ptr, c_ptr, d_ptr, WARPS: tl.constexpr):
         tl.load(c_ptr + 4 * i + 2),
         tl.load(c_ptr + 4 * i + 3),
         WARPS,
+        BF16,
     )
     for j in tl.static_range(4):
         tl.store(d_ptr + 4 * i + j, d[j])
 
 
-def test_emulated_mma_follows_the_ptx_fragments() -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_emulated_mma_follows_the_ptx_fragments(dtype: torch.dtype) -> None:
     """``emulated_mma`` computes D = A B + C for 16x16 A, 16x8 B and 16x8 C scattered over a warp's registers as the
-    PTX ISA lays out ``mma.m16n8k16`` (fp16 A/B, fp32 C/D), for two warps with different matrices."""
+    PTX ISA lays out ``mma.m16n8k16`` (fp16 or bf16 A/B, fp32 C/D), for two warps with different matrices."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     warps = 2
-    a = torch.randn(warps, 16, 16, generator=gen).half()
-    b = torch.randn(warps, 16, 8, generator=gen).half()
+    a = torch.randn(warps, 16, 16, generator=gen).to(dtype)
+    b = torch.randn(warps, 16, 8, generator=gen).to(dtype)
     c = torch.randn(warps, 16, 8, generator=gen)
     lane = torch.arange(32)
     g, q = lane // 4, lane % 4
@@ -99,7 +101,9 @@ def test_emulated_mma_follows_the_ptx_fragments() -> None:
         regs_b.append(torch.stack([_pair(B[2 * q, g], B[2 * q + 1, g]), _pair(B[2 * q + 8, g], B[2 * q + 9, g])], 1))
         regs_c.append(torch.stack([C[g, 2 * q], C[g, 2 * q + 1], C[g + 8, 2 * q], C[g + 8, 2 * q + 1]], dim=1))
     d = torch.full((32 * warps, 4), float("nan"))
-    _mma_probe[(1,)](torch.cat(regs_a), torch.cat(regs_b), torch.cat(regs_c).float(), d, WARPS=warps)
+    _mma_probe[(1,)](
+        torch.cat(regs_a), torch.cat(regs_b), torch.cat(regs_c).float(), d, WARPS=warps, BF16=dtype == torch.bfloat16
+    )
     expected = a.double() @ b.double() + c.double()
     for w in range(warps):
         got = torch.full((16, 8), float("nan"), dtype=torch.float64)
@@ -134,6 +138,19 @@ def test_mma_rows_matches_reference(case: tuple) -> None:
     what = f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiles={tiles} warps={warps} split={split}"
     _bound_check(y, x, qweight, scales, group_size, what)
     assert not bool(arrival_counters(torch.device("cpu"), 1).any()), "a split left its arrival counter set"
+
+
+def test_mma_rows_takes_bf16_activations_past_fp16_range() -> None:
+    """bf16 activations go to the tensor cores as bf16 (codes as ``c - 8``), so values beyond fp16's 65504 (and
+    below its normal range) keep their precision; a conversion to fp16 would turn them into infinities."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    seed = _seed()
+    x, qweight, scales = _operands(seed, 9, 256, 48, 128, torch.bfloat16)
+    x = (x.float() * torch.tensor([3e5, 1e-6]).repeat(128)).to(torch.bfloat16)  # alternately huge and tiny
+    y = tk.matmul_mma_rows(x, qweight, scales, 4, 128, split_k=2, tiles=1, num_warps=2)
+    assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
+    _bound_check(y, x, qweight, scales, 128, f"seed={seed}")
 
 
 def test_mma_rows_refuses_what_it_cannot_run() -> None:

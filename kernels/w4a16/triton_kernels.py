@@ -294,7 +294,7 @@ def matmul_paired(
 
 MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
 """``matmul_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program). Chosen from the sm_90
-build, not yet from timings: 71 registers per thread for up to 8 rows and 104 for 9-16 (4 tiles: 154 and 194), so
+build, not yet from timings: 72 registers per thread for up to 8 bf16 rows and 110 for 9-16 (4 tiles: 161 and 192), so
 enough programs fit an SM to keep 40-57 KB of words in flight (``benchmarks/mma_rows.py`` times the others)."""
 
 
@@ -318,8 +318,8 @@ def matmul_mma_rows(
     num_warps: int = MMA_ROWS_CONFIG["num_warps"],
     emulate: bool = False,
 ) -> Tensor:
-    """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, fp16 or bf16
-    activations whose magnitude fits fp16, groups of a multiple of 32 dividing K (or one group, K a multiple of
+    """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
+    (any magnitude: bf16 MMA) or fp16 ones, groups of a multiple of 32 dividing K (or one group, K a multiple of
     128). ``split_k`` overrides the split heuristic (splits of whole groups); ``emulate`` runs the interpreter's
     emulation of the PTX on a GPU too, to check the PTX against it."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
