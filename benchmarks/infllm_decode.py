@@ -5,7 +5,8 @@ compressed keys are cached. Each step is captured in a CUDA graph and timed two 
 replay (the graph launch and synchronisation included) and the mean of 50 back-to-back replays (what the step
 costs inside a longer decode graph). The kernels of one step come from the profiler, with their start and end
 inside the step; the step is timed again with every kernel launched plainly (no programmatic dependent
-launch), and launch choices of each kernel are swept in graphs of their own.
+launch) and with the selection's 8-bit radix select, and launch choices of each kernel are swept in graphs of
+their own.
 
   python benchmarks/infllm_decode.py --out OUT.json [--seq 131072]
 """
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import triton
 from results import write_results
 from salaquant.kernels import infllm
-from salaquant.kernels.infllm import launch, triton_kernels
+from salaquant.kernels.infllm import launch, select, triton_kernels
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
@@ -124,6 +125,15 @@ def main() -> None:
     res["sparse_no_pdl_back_to_back_us"] = _back_to_back_us(g_plain)
     res["sparse_no_pdl_timeline_us"] = _timeline(g_plain)
     launch.USE_PDL = True
+    # the same step with the selection's radix select (8 bits per pass) instead of the bit search
+    default_radix = select.SELECT_RADIX
+    select.SELECT_RADIX = 8
+    res["radix8_max_abs_err_vs_reference"] = float((sparse().float() - want.float()).abs().max())
+    g_radix = capture_graph(sparse)
+    res["sparse_radix8_replay_us"] = _replay_us(g_radix)
+    res["sparse_radix8_back_to_back_us"] = _back_to_back_us(g_radix)
+    res["sparse_radix8_timeline_us"] = _timeline(g_radix)
+    select.SELECT_RADIX = default_radix
 
     # launch choices, each kernel in a graph of its own, with its largest difference from the default launch
     q_start = t - 1

@@ -26,41 +26,9 @@ import torch
 import triton
 import triton.language as tl
 from results import write_results
+from salaquant.kernels.infllm.select import radix_kth
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
-
-
-@triton.jit
-def _sum_and_min(a_sum, a_min, b_sum, b_min):
-    return a_sum + b_sum, tl.minimum(a_min, b_min)
-
-
-@triton.jit
-def _radix_kth(ordered, in_range, n_blocks, k_sel, RADIX: tl.constexpr):
-    """The ``k_sel``-th largest of the int32 images ``ordered`` (where ``in_range``), ``RADIX`` bits per pass from
-    the top: a histogram of the pass's digit over the images that share the digits found so far, a reverse
-    cumulative sum (how many have each digit or a larger one), and one reduction that finds the digit holding the
-    k-th and how many of those images lie above it."""
-    NBINS: tl.constexpr = 1 << RADIX
-    PASSES: tl.constexpr = (32 + RADIX - 1) // RADIX
-    u = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = signed order of the images
-    live = in_range
-    need = k_sel  # how many of the live images are still to be taken
-    v_u = tl.zeros([], tl.uint32)
-    for p in tl.static_range(PASSES):
-        shift = 32 - (p + 1) * RADIX if (p + 1) * RADIX < 32 else 0
-        width = RADIX if (p + 1) * RADIX <= 32 else 32 - p * RADIX
-        digit = ((u >> shift) & ((1 << width) - 1)).to(tl.int32)
-        hist = tl.histogram(digit, NBINS, mask=live)
-        ge = tl.cumsum(hist, 0, reverse=True)  # live images whose digit is >= d
-        sat = ge >= need  # d <= d*, the digit of the k-th
-        # count(d <= d*) and, as the images above a digit only shrink with it, count(digit > d*)
-        n_sat, gt_star = tl.reduce((sat.to(tl.int32), tl.where(sat, ge - hist, 2147483647)), 0, _sum_and_min)
-        d_star = n_sat - 1
-        need = need - gt_star  # the live images with a larger digit are all taken
-        live = live & (digit == d_star)
-        v_u = v_u | (d_star.to(tl.uint32) << shift)
-    return v_u.to(tl.int32, bitcast=True) ^ -2147483648
 
 
 @triton.jit
@@ -103,7 +71,7 @@ def _select_variant(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     ordered = tl.where(in_range, ordered, -2147483648)
     if RADIX > 0:  # radix select: RADIX bits of the k-th largest image per pass, from one histogram each
-        v = _radix_kth(ordered, in_range, n_blocks, k_sel, RADIX)
+        v = radix_kth(ordered, in_range, k_sel, RADIX)
     elif TERNARY:  # two counts per sum (16-bit fields of one int32), the interval cut in thirds
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483648, tl.int64)

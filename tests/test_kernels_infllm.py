@@ -266,9 +266,10 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
         ),
     ],
 )
-def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
+@pytest.mark.parametrize("radix", [0, 8], ids=["bits", "radix8"])
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix: int) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
-    them by lower block index)."""
+    them by lower block index), with the bit search and the 8-bit radix select."""
     gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.rand(2, 2, tq, n1, generator=gen)
@@ -278,14 +279,14 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -
     q_start = tk - tq
     want = _select(scores, q_start, tk, params)
     out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
-    got = _kernels().pool_select(scores, q_start, tk, params, out=out)
+    got = _kernels().pool_select(scores, q_start, tk, params, out=out, radix=radix)
     assert got is out
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
 @needs_triton
-@pytest.mark.parametrize("seed", [0, 1])
-def test_pool_select_signed_scores(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "radix"), [(0, 0), (1, 0), (0, 8), (1, 8), (0, 4), (0, 11)])
+def test_pool_select_signed_scores(seed: int, radix: int) -> None:
     """Scores of both signs and magnitudes far apart (the search runs over the whole int32 range of their
     images): the same blocks as the reference."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=6)
@@ -296,8 +297,14 @@ def test_pool_select_signed_scores(seed: int) -> None:
     scores[..., ::7] = -3.0  # ties among negative scores
     scores = scores.to(DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params)
+    got = _kernels().pool_select(scores, tk - tq, tk, params, radix=radix)
     assert torch.equal(got.long().cpu(), want.cpu())
+
+
+def test_pool_select_refuses_a_radix_it_cannot_run() -> None:
+    scores = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="radix must be"):
+        _kernels().pool_select(scores, 0, 64, SMALL, radix=17)
 
 
 @needs_triton
@@ -311,15 +318,15 @@ def test_pool_select_long_row() -> None:
     assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, SMALL).long().cpu(), want.cpu())
 
 
-@pytest.mark.parametrize("value", [0.0, 0.5])
-def test_pool_select_all_scores_equal(value: float) -> None:
+@pytest.mark.parametrize(("value", "radix"), [(0.0, 0), (0.5, 0), (0.5, 8)])
+def test_pool_select_all_scores_equal(value: float, radix: int) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
     tq, tk = 40, 2000
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.full((1, 2, tq, n1), value, device=DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params)
+    got = _kernels().pool_select(scores, tk - tq, tk, params, radix=radix)
     assert torch.equal(got.long().cpu(), want.cpu())
 
 

@@ -13,12 +13,50 @@ from salaquant.model.sparse_attention import SparseParams
 from ..host import cdiv
 from .launch import pdl_args, pow2
 
-__all__ = ["FEW_ROWS", "pool_select"]
+__all__ = ["FEW_ROWS", "SELECT_RADIX", "pool_select", "radix_kth"]
+
+SELECT_RADIX = 0
+"""Bits of the k-th pooled score ``pool_select`` finds per pass: 0 for the bit search (one count per bit, ending
+once a count lands on k), or a radix select's digit width (a histogram per pass). The radix select is not yet timed
+on a GPU (``benchmarks/infllm_select_anatomy.py`` compares them); the bit search stays the default until it is."""
 
 FEW_ROWS = 128
 """Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
 rows at 128K context took 15.7 against 19.2 us per replay of a CUDA graph of the launch on an H200 (16 warps:
 15.5)."""
+
+
+@triton.jit
+def _sum_and_min(a_sum, a_min, b_sum, b_min):
+    return a_sum + b_sum, tl.minimum(a_min, b_min)
+
+
+@triton.jit
+def radix_kth(ordered, in_range, k_sel, RADIX: tl.constexpr):
+    """The ``k_sel``-th largest of the int32 images ``ordered`` (where ``in_range``), ``RADIX`` bits per pass from
+    the top: a histogram of the pass's digit over the images that share the digits found so far, a reverse
+    cumulative sum (how many have each digit or a larger one), and one reduction that finds the digit holding the
+    k-th and how many of those images lie above it."""
+    NBINS: tl.constexpr = 1 << RADIX
+    PASSES: tl.constexpr = (32 + RADIX - 1) // RADIX
+    u = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = signed order of the images
+    live = in_range
+    need = k_sel  # how many of the live images are still to be taken
+    v_u = tl.zeros([], tl.uint32)
+    for p in tl.static_range(PASSES):
+        shift = 32 - (p + 1) * RADIX if (p + 1) * RADIX < 32 else 0
+        width = RADIX if (p + 1) * RADIX <= 32 else 32 - p * RADIX
+        digit = ((u >> shift) & ((1 << width) - 1)).to(tl.int32)
+        hist = tl.histogram(digit, NBINS, mask=live)
+        ge = tl.cumsum(hist, 0, reverse=True)  # live images whose digit is >= d
+        sat = ge >= need  # d <= d*, the digit of the k-th
+        # count(d <= d*) and, as the images above a digit only shrink with it, count(digit > d*)
+        n_sat, gt_star = tl.reduce((sat.to(tl.int32), tl.where(sat, ge - hist, 2147483647)), 0, _sum_and_min)
+        d_star = n_sat - 1
+        need = need - gt_star  # the live images with a larger digit are all taken
+        live = live & (digit == d_star)
+        v_u = v_u | (d_star.to(tl.uint32) << shift)
+    return v_u.to(tl.int32, bitcast=True) ^ -2147483648
 
 
 @triton.jit
@@ -42,6 +80,7 @@ def _pool_select_kernel(
     LOCAL_BLOCKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     PDL: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
@@ -85,16 +124,20 @@ def _pool_select_kernel(
     # (the lower bits of v are still zero, so the sum never carries; int32 wraps at step 0, INT32_MIN + 2^31 = 0)
     # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k. A count of exactly k ends
     # the search early: the images >= v are then the top k, ties and all.
-    v = tl.full([], -2147483648, tl.int32)
-    one = tl.full([], 1, tl.int32)
-    step = 0
-    count = n_blocks
-    while (step < 32) & (count != k_sel):
-        cand = v + (one << (31 - step))
-        n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
-        v = tl.where(n_ge >= k_sel, cand, v)
-        count = tl.where(n_ge >= k_sel, n_ge, count)
-        step += 1
+    if RADIX > 0:  # RADIX bits per pass from a histogram (radix_kth); ties then go through the scan below
+        v = radix_kth(ordered, in_range, k_sel, RADIX)
+        count = -1
+    else:
+        v = tl.full([], -2147483648, tl.int32)
+        one = tl.full([], 1, tl.int32)
+        step = 0
+        count = n_blocks
+        while (step < 32) & (count != k_sel):
+            cand = v + (one << (31 - step))
+            n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
+            v = tl.where(n_ge >= k_sel, cand, v)
+            count = tl.where(n_ge >= k_sel, n_ge, count)
+            step += 1
     above = (ordered > v) & in_range
     tied = (ordered == v) & in_range
     if count == k_sel:  # every block equal to v is chosen: no tie to break
@@ -115,15 +158,20 @@ def pool_select(
     *,
     out: Tensor | None = None,
     num_warps: int | None = None,
+    radix: int | None = None,
 ) -> Tensor:
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
     one program per (query, batch * KV head); a row costs up to 32 dependent counts over
-    ``next_power_of_2(n_blocks)`` pooled scores (fewer when a count lands on ``k`` exactly). ``num_warps`` defaults
-    to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that shape; a slice along
-    ``Tq`` of a contiguous selection will do) receives the result.
+    ``next_power_of_2(n_blocks)`` pooled scores (fewer when a count lands on ``k`` exactly), or with ``radix``
+    (1 to 16; default ``SELECT_RADIX``) ``ceil(32 / radix)`` passes of a ``2**radix``-bin histogram each.
+    ``num_warps`` defaults to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that
+    shape; a slice along ``Tq`` of a contiguous selection will do) receives the result.
     """
+    radix = SELECT_RADIX if radix is None else radix
+    if not 0 <= radix <= 16:
+        raise ValueError(f"radix must be 0 (the bit search) or 1 to 16 bits per pass, got {radix}")
     b, hkv, tq, n1 = scores.shape
     n_blocks = cdiv(tk, params.block_size)
     k_sel = min(params.total_topk, n_blocks)
@@ -156,6 +204,7 @@ def pool_select(
         INIT_BLOCKS=params.init_blocks,
         LOCAL_BLOCKS=params.local_blocks,
         BLOCK_NB=pow2(n_blocks),
+        RADIX=radix,
         num_warps=num_warps if num_warps is not None else (8 if b * hkv * tq < FEW_ROWS else 4),
         **pdl_args(scores.device),
     )
