@@ -44,7 +44,15 @@ from .paired_f16 import emulated_fma2, f16_pair, half, halves, i32
 from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 from .w4a16.split_k import finish_split_k
 
-__all__ = ["emulated_mma", "mma_rows_kernel"]
+__all__ = ["check_launch", "emulated_mma", "mma_rows_kernel"]
+
+
+def check_launch(tiles: int, num_warps: int) -> int:
+    """``ValueError`` unless both are powers of two; returns the columns one program covers (``16 * tiles * warps``)."""
+    for name, value in (("tiles", tiles), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    return 16 * tiles * num_warps
 
 
 def _dequant_ptx(word: str, out: str, k: list[str]) -> str:

@@ -53,7 +53,7 @@ import triton.language as tl
 from ..counters import arrival_counters
 from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv, pair_aligned
-from ..mma_rows import mma_rows_kernel
+from ..mma_rows import check_launch, mma_rows_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
 from .split_k import finish, k_range
@@ -536,16 +536,14 @@ def nvfp4_mma_rows(
         raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
     if k % 128:
         raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
-    for name, value in (("tiles", tiles), ("num_warps", num_warps)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
+    block_n = check_launch(tiles, num_warps)
     x = pair_aligned(x)
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
-    n_tiles = cdiv(n, 16 * tiles * num_warps)
+    n_tiles = cdiv(n, block_n)
     if split_k is None:
         split_k = _pick_split(n_tiles, k // 128, _programs_target(x.device) * 4, 1)
     split = max(1, min(int(split_k), k // 128))

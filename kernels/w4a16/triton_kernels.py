@@ -54,7 +54,7 @@ from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
 from ..host import cdiv, next_power_of_2, pair_aligned
-from ..mma_rows import mma_rows_kernel
+from ..mma_rows import check_launch, mma_rows_kernel
 from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
 from .flat import flat_kernel
@@ -330,22 +330,18 @@ def matmul_mma_rows(
             f"the mma kernel takes 1 to 16 fp16/bf16 rows, 4-bit codes and groups of a multiple of 32 dividing K; "
             f"got {m} {x.dtype} rows, bits={bits}, group_size={gs}, K={k}"
         )
-    for name, value in (("tiles", tiles), ("num_warps", num_warps)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
+    block_n = check_launch(tiles, num_warps)
     y = _output(out, m, n, x)
-    block_n = 16 * tiles * num_warps
-    n_tiles = cdiv(n, block_n)
-    groups = k // (128 if kernel_gs < 0 else kernel_gs)
-    splits = _split_count(n_tiles, groups, _sm_count(x.device), split_k, 1)
-    mma_rows_kernel[(n_tiles, splits)](
+    # splits of whole groups: the group is the K tile
+    grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, 128 if kernel_gs < 0 else kernel_gs, split_k, 1)
+    mma_rows_kernel[grid](
         x,
         qweight,
         scales,
         scales,  # no global scale
         y,
-        _partials(x, splits, m, n),
-        arrival_counters(x.device, n_tiles),
+        part,
+        cnt,
         m,
         n,
         k,
