@@ -80,7 +80,7 @@ def _auto_path(m: int, n: int) -> str:
     if m == 1:
         return "paired"
     if m <= 16:
-        return "wleft"
+        return "mma_rows"  # 4-bit codes, bf16 rows and groups of 128, as timed here
     return "tiled" if m < tk.DEQUANT_MIN_M and tk._tiled_fills(m, n, torch.device(DEVICE)) else "dequant+mm"
 
 

@@ -127,7 +127,8 @@ def main() -> None:
         for name in args.shapes:
             k, n = SHAPES[name]
             rows += bench(fmt, name, k, n, args.ms, args.rep)
-    write_results(args.out, "mma_rows.json", {"device": torch.cuda.get_device_name(), "rows": rows})
+            # written after every shape, so a run cut short still returns what it measured
+            write_results(args.out, "mma_rows.json", {"device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def test_triton_8bit(m: int) -> None:
     ("m", "n", "sms", "path"),
     [
         (1, 64, 4, "paired"),  # 4-bit codes, an fp16 row
-        (16, 64, 4, "wleft"),  # 4-bit codes, fp16 activations, one group
-        (2, 64, 4, "wleft"),
+        (16, 64, 4, "mma_rows"),  # 4-bit codes, fp16 activations, one group of K = 128
+        (2, 64, 4, "mma_rows"),
         (17, 512, 4, "tiled"),  # 1 x 4 tiles of 128 x 128 on 4 SMs
         (17, 384, 4, "dequantize"),  # 3 tiles
         (300, 256, 4, "tiled"),  # 3 x 2
@@ -107,24 +107,32 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
         return called
 
     monkeypatch.setattr(tk, "_sm_count", lambda device: sms)
-    for name in ("matmul_paired", "matmul_gemv", "matmul_wleft", "matmul_flat", "matmul_tiled", "dequantize"):
+    paths = ("paired", "gemv", "mma_rows", "wleft", "flat", "tiled")
+    for name in (*(f"matmul_{p}" for p in paths), "dequantize"):
         monkeypatch.setattr(tk, name, spy(name))
-    x = torch.zeros(m, 64, dtype=torch.float16)
-    qweight, scales = torch.zeros(8, n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
+    x = torch.zeros(m, 128, dtype=torch.float16)
+    qweight, scales = torch.zeros(16, n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
     with pytest.raises(Taken) as taken:
         tk.matmul(x, qweight, scales, 4, -1)
     assert str(taken.value) == (path if path == "dequantize" else f"matmul_{path}")
     if path == "paired":  # an fp32 row or 8-bit codes go to the fp32 GEMV
-        q8 = torch.zeros(16, n, dtype=torch.int32)
+        q8 = torch.zeros(32, n, dtype=torch.int32)
         for xx, qw in ((x.float(), qweight), (x, q8)):
             with pytest.raises(Taken) as taken:
                 tk.matmul(xx, qw, scales, 8 if qw is q8 else 4, -1)
             assert str(taken.value) == "matmul_gemv"
-    if path == "wleft":  # what it cannot take goes to the flat kernel
-        for xx, group in ((x.float(), -1), (x, 16), (x, 48)):
+    if path == "mma_rows":  # groups of a multiple of 32 dividing K, or one group of K a multiple of 128
+        for group in (32, 64, 128):
             with pytest.raises(Taken) as taken:
-                tk.matmul(xx, qweight, scales, 4, group)
-            assert str(taken.value) == "matmul_flat"
+                tk.matmul(x, qweight, scales.expand(128 // group, n), 4, group)
+            assert str(taken.value) == "matmul_mma_rows"
+        # one group of K = 64 goes to the weights-left kernel; fp32 rows, groups of 16 and 48 to the flat one
+        cases = [(x[:, :64], qweight[:8], -1, "wleft"), (x.float(), qweight, -1, "flat")]
+        cases += [(x, qweight, 16, "flat"), (x[:, :96], qweight[:12], 48, "flat")]
+        for xx, qw, group, want in cases:
+            with pytest.raises(Taken) as taken:
+                tk.matmul(xx, qw, scales.expand(1 if group < 0 else xx.shape[1] // group, n), 4, group)
+            assert str(taken.value) == f"matmul_{want}"
 
 
 def test_weights_left_settings_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -510,8 +510,9 @@ def nvfp4_matmul_triton(
 
 
 MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
-"""``nvfp4_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program); from the sm_90 build
-(126-128 registers), not yet from timings."""
+"""``nvfp4_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program), 126-128 registers in the
+sm_90 build; the fastest of 5 launches at 2 and 16 rows of down and 16 of gate_up on an H200, within 0.5% at 2 of
+gate_up."""
 
 
 def nvfp4_mma_rows(
@@ -527,9 +528,10 @@ def nvfp4_mma_rows(
     emulate: bool = False,
 ) -> torch.Tensor:
     """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``kernels/mma_rows.py``): 1 to 16 fp16/bf16
-    rows whose magnitude fits fp16, K a multiple of 128. Not chosen by ``nvfp4_matmul_triton`` yet (its speed has not
-    been measured). ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's
-    emulation of the PTX on a GPU too."""
+    rows whose magnitude fits fp16, K a multiple of 128. Not chosen by ``nvfp4_matmul_triton``: on an H200 it gained
+    at most 1.18x over the current path at 2 rows and lost at 1 and 16 on down (``benchmarks/mma_rows.py``), and it
+    would add the fp16 range limit to bf16 activations. ``split_k`` overrides the split count (splits of 128
+    inputs); ``emulate`` runs the interpreter's emulation of the PTX on a GPU too."""
     _check_device(x)
     n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
     if x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= 16 or x.dtype not in (torch.float16, torch.bfloat16):

@@ -12,16 +12,18 @@ the grids and workspaces and picks the path. Paths, chosen by ``matmul`` from th
   (the next tile's load is issued before this tile's math) and takes the ``p`` values out of every word with masks
   (``codes.word_value``: one logic op and one FMA per value, exact), multiplies them by the activation into a 2-D fp32
   accumulator and applies the group scale once per word row.
-* ``2 <= M <= 16``, ``wleft`` (``matmul_wleft``): ``Y^T = W x^T``, the weight tile the MMA's left operand and the
-  16 activation rows its N side. Each program loops over a run of K tiles (splits as the GEMV's, so the fp32
+* ``2 <= M <= 16`` with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32 dividing K (or one group,
+  K a multiple of 128), ``mma_rows`` (``matmul_mma_rows``, kernel in ``kernels/mma_rows.py``): ``mma.sync`` fed from
+  registers, every tensor one element per thread so that each thread loads its own fragments; the paired
+  dequantization of ``paired`` (bf16 activations take the bf16 MMA, so no fp16 range limit), fp32 products and
+  sums, split-K over whole groups. On an H200 1.6-2.0x cuBLAS bf16 at 2-8 rows and 1.2-1.5x at 16
+  (``benchmarks/mma_rows.py``), against 0.92-1.06x for ``wleft``.
+* ``2 <= M <= 16`` otherwise, ``wleft`` (``matmul_wleft``): ``Y^T = W x^T``, the weight tile the MMA's left operand
+  and the 16 activation rows its N side. Each program loops over a run of K tiles (splits as the GEMV's, so the fp32
   partials stay small against the weights); a word tile loaded with N along the fast axis expands, through
-  16-bit magic numbers, straight into a ``[BLOCK_N, BLOCK_K]`` tile in K order. This is the structure of the
-  NVFP4 decode kernel (``salaquant.kernels.nvfp4``), in fewer instructions per weight (4.0 against 5.0 in the
-  sm_90 SASS of the main loop, read with ``benchmarks/sass_report.py``). Used for 4-bit codes, fp16/bf16
-  activations and groups of 32, 64 or a multiple of 128 (or one group); other cases take ``flat``.
-* ``matmul_mma_rows`` (not chosen by ``matmul`` yet: its speed has not been measured): 1 to 16 rows on
-  ``mma.sync`` fed from registers, every tensor one element per thread so that each thread loads its own
-  fragments (``kernels/mma_rows.py``); the same paired dequantization as ``paired``, fp32 products and sums.
+  16-bit magic numbers, straight into a ``[BLOCK_N, BLOCK_K]`` tile in K order. Used for 4-bit codes, fp16/bf16
+  activations and groups of 32, 64 or a multiple of 128 (or one group) that ``mma_rows`` does not take; other
+  cases take ``flat``.
 * ``flat`` (``matmul_flat`` with ``FLAT_DOT_CONFIG``): split-K where each program runs a short, fully unrolled
   run of K tiles, loads each word once, repeats it in registers into a ``[BLOCK_K, BLOCK_N]`` tile in natural K
   order and feeds ``tl.dot`` with a 16-row activation tile. ``matmul_flat`` also has a CUDA-core reduction for
@@ -34,11 +36,11 @@ the grids and workspaces and picks the path. Paths, chosen by ``matmul`` from th
   (``dequantize``) and the product runs in ``torch.matmul``; at ``M >= DEQUANT_MIN_M`` the GEMM is compute-bound
   and the dequantization costs a few percent.
 
-Split-K reduction (``paired``, ``gemv``, ``wleft``, ``flat``; ``split_k.py``): every program stores its fp32
-partial tile into a workspace, then increments a per-column-tile counter; the program that completes the count
-sums the partials in split order, writes the output in the activation dtype and resets the counter. One launch, no
-atomics on data, and run-to-run identical results. Counters live in a per-(device, stream) buffer that every launch
-leaves zeroed.
+Split-K reduction (``paired``, ``gemv``, ``mma_rows``, ``wleft``, ``flat``; ``split_k.py``): every program stores
+its fp32 partial tile into a workspace, then increments a per-column-tile counter; the program that completes the
+count sums the partials in split order, writes the output in the activation dtype and resets the counter. One
+launch, no atomics on data, and run-to-run identical results. Counters live in a per-(device, stream) buffer that
+every launch leaves zeroed.
 
 The ``gemv`` and ``tiled`` launch configurations are autotuned per shape on first use (a few hundred ms per
 shape): run each shape once before capturing a CUDA graph.
@@ -292,10 +294,16 @@ def matmul_paired(
     return y
 
 
-MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
-"""``matmul_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program). Chosen from the sm_90
-build, not yet from timings: 72 registers per thread for up to 8 bf16 rows and 110 for 9-16 (4 tiles: 161 and 192), so
-enough programs fit an SM to keep 40-57 KB of words in flight (``benchmarks/mma_rows.py`` times the others)."""
+MMA_ROWS_CONFIG = {"tiles": 1, "num_warps": 4}
+"""``matmul_mma_rows`` launch: 4 warps of one column tile of 16 (64 columns per program) at the default split.
+Timed on an H200 (``benchmarks/mma_rows.py``, bf16, SALA shapes, 2-16 rows) against 2 tiles, 4 tiles and 8 warps:
+fastest or within 5% of the fastest launch at every shape and row count up to 8 (gate_up 32-33 us, down 21-23 us,
+o_proj 7.5-7.8 us), 7-13% behind the best at 16 rows of gate_up and lightning_qkv."""
+
+
+def _mma_rows_takes(x: Tensor, bits: int, group_size: int, k: int) -> bool:
+    """4-bit codes, fp16/bf16 activations and a group the kernel runs: the cases ``matmul`` gives ``mma_rows``."""
+    return bits == 4 and x.dtype in (torch.float16, torch.bfloat16) and _mma_rows_group(k, group_size) != 0
 
 
 def _mma_rows_group(k: int, gs: int) -> int:
@@ -565,6 +573,8 @@ def matmul(
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
         k = qweight.shape[0] * (32 // bits)
+        if _mma_rows_takes(x, bits, group_size, k):
+            return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out)
         if _wleft_takes(x, bits, group_size, k):
             tuned = _wleft_tuned(x.device, k, qweight.shape[1])
             return matmul_wleft(x, qweight, scales, bits, group_size, out=out, **tuned)
