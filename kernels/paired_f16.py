@@ -12,7 +12,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["DOT4_PTX", "emulated_fma2", "f16_pair", "half", "halves", "i32", "join"]
+__all__ = [
+    "DOT4_PTX",
+    "RANGE_CHUNK",
+    "emulated_fma2",
+    "f16_pair",
+    "f16_pair_shifted",
+    "half",
+    "halves",
+    "i32",
+    "join",
+    "range_shift",
+]
 
 DOT4_PTX = """mul.rn.f16x2 p, a0, $2;
 fma.rn.f16x2 p, a1, $3, p;
@@ -37,6 +48,16 @@ _BF16_PAIR_PTX = tl.constexpr("""{
 .reg .b32 lo, hi;
 shl.b32 lo, $1, 16;
 and.b32 hi, $1, 0xFFFF0000;
+cvt.rn.f16x2.f32 $0, hi, lo;
+}""")
+
+
+_BF16_PAIR_SCALED_PTX = tl.constexpr("""{
+.reg .b32 lo, hi;
+shl.b32 lo, $1, 16;
+and.b32 hi, $1, 0xFFFF0000;
+mul.f32 lo, lo, $2;
+mul.f32 hi, hi, $2;
 cvt.rn.f16x2.f32 $0, hi, lo;
 }""")
 
@@ -84,3 +105,46 @@ def emulated_fma2(a, b, c):
     lo = half(a, False) * half(b, False) + half(c, False)
     hi = half(a, True) * half(b, True) + half(c, True)
     return join(lo, hi)
+
+
+RANGE_CHUNK = tl.constexpr(2048)
+"""Activations ``range_shift`` reads per step (16 per thread at 4 warps)."""
+
+
+@triton.jit
+def range_shift(x_ptr, first, last, CHUNK: tl.constexpr):
+    """The smallest ``e >= 0`` with ``|x[i]| * 2**-e < 2**15`` for every ``first <= i < last`` (int32 scalar): the
+    power of two that brings a program's bf16 activations into fp16 range, 0 for any activations below 32768 in
+    magnitude. An infinite activation gives 114, which leaves it infinite."""
+    m = tl.zeros([CHUNK], tl.float32)
+    for start in range(first, last, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        m = tl.maximum(m, tl.abs(tl.load(x_ptr + offs, mask=offs < last, other=0.0).to(tl.float32)))
+    exponent = ((tl.max(m, 0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.maximum(exponent - 14, 0)
+
+
+@triton.jit
+def f16_pair_shifted(v, shift, BF16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr):
+    """``f16_pair`` of activations times ``2**-shift`` (``range_shift``'s exponent) when ``SCALED``; kernels run
+    their loop unscaled, as ``f16_pair``, when the shift is 0 (a uniform branch around two copies of the loop)."""
+    if not BF16:
+        return v
+    if not SCALED:
+        pair = f16_pair(v, BF16, ASM)
+    else:
+        scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        if ASM:
+            pair = tl.inline_asm_elementwise(
+                _BF16_PAIR_SCALED_PTX,
+                "=r,r,f",
+                [v, scale + tl.zeros(v.shape, tl.float32)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo = (v << 16).to(tl.float32, bitcast=True)
+            hi = (v & -65536).to(tl.float32, bitcast=True)
+            pair = join(lo * scale, hi * scale)
+    return pair

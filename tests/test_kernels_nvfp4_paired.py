@@ -68,6 +68,23 @@ def test_paired_matches_reference(tk, dtype: torch.dtype) -> None:
 
 
 @needs_triton
+def test_paired_scales_bf16_activations_past_fp16_range(tk) -> None:
+    """bf16 activations beyond fp16's 65504 are scaled by a power of two per program before the fp16 conversion
+    and the result scaled back: finite and within the bound, with one split scaled and one not."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 64, 256
+    weight, scale, s2 = _quantized(gen, n, k)
+    x = torch.randn(1, k, generator=gen)
+    x[0, :128] *= torch.tensor([3e5, 1e-6]).repeat(64)  # alternately huge and tiny in the first split's inputs
+    x = x.to(torch.bfloat16)
+    cfg = tk.NVFP4Config("paired", block_n=64, block_k=128, split_k=2, num_stages=1)
+    y = tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
+    assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
+    _bound_check(y, x, weight, scale, s2, 0.0, f"seed={seed} huge bf16 activations")
+
+
+@needs_triton
 def test_paired_every_code_and_scale(tk) -> None:
     """Uniformly random bytes: every code, subnormal and negative scales. Products below fp16's normal range
     keep an absolute error of at most 2**-25 (in units of ``2**-14`` times the global scale) per operation: the
@@ -158,20 +175,26 @@ def test_paired_refuses_what_it_cannot_run(tk) -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("huge", [False, True], ids=["bf16", "huge_bf16"])
 @pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
-def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int, n: int) -> None:
+def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int, n: int, huge: bool) -> None:
     """The PTX path against the emulation of the same operations on the same GPU (bit-identical), both within the
-    bound of the fp32 reference, at SALA shapes with the default launch."""
+    bound of the fp32 reference, at SALA shapes with the default launch; ``huge``: activations up to 3e5 in the
+    first quarter of K (the scaled conversion there)."""
     from salaquant.kernels.nvfp4 import triton_kernels as tk
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     weight, scale, s2 = _quantized(gen, n, k)
     weight, scale, s2 = weight.cuda(), scale.cuda(), s2.cuda()
-    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(1, k, generator=gen)
+    if huge:
+        x[0, : k // 4] *= 3e5
+    x = x.to(torch.bfloat16).cuda()
     assert tk.default_config(1, n, k, "cuda", x.dtype).kernel == "paired"
     got = tk.nvfp4_matmul_triton(x, weight, scale, s2)
     monkeypatch.setattr(tk, "_EMULATE_PAIRED", True)
     emulated = tk.nvfp4_matmul_triton(x, weight, scale, s2)
     assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
+    assert bool(torch.isfinite(got).all()), f"seed={seed}: non-finite outputs"
     _bound_check(got.cpu(), x.cpu(), weight.cpu(), scale.cpu(), s2.cpu(), 0.0, f"seed={seed} K={k} N={n}")

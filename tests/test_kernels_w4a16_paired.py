@@ -95,6 +95,26 @@ def test_paired_activations_near_the_fp16_limit() -> None:
     _bound_check(y, x, qweight, scales, 128, f"seed={seed} large activations")
 
 
+def test_paired_scales_bf16_activations_past_fp16_range() -> None:
+    """bf16 activations beyond fp16's 65504 are scaled by a power of two per program before the fp16 conversion
+    and the result scaled back: finite and within the bound. Split 0 holds the huge values (scaled), split 1
+    values in range (unscaled); without the scaling the first would be infinite, without scaling back 16x small."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 256, 64
+    qweight, scales = _words(gen, k, n), (torch.rand(2, n, generator=gen) * 0.02 + 0.002).half()
+    x = torch.randn(1, k, generator=gen)
+    x[0, :128] *= torch.tensor([3e5, 1e-6]).repeat(64)  # alternately huge and tiny in the first split's inputs
+    x = x.to(torch.bfloat16)
+    y = tk.matmul_paired(x, qweight, scales, 4, 128, split_k=2, block_n=64, block_k=128)
+    assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
+    _bound_check(y, x, qweight, scales, 128, f"seed={seed} huge bf16 activations")
+    y_in_range = tk.matmul_paired(x[:, 128:], qweight[16:], scales[1:], 4, 128, block_n=64, block_k=128)
+    _bound_check(y_in_range, x[:, 128:], qweight[16:], scales[1:], 128, f"seed={seed} the second split alone")
+
+
 def test_paired_refuses_what_it_cannot_run() -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
@@ -113,19 +133,24 @@ def test_paired_refuses_what_it_cannot_run() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "huge_bf16"], ids=["fp16", "bf16", "huge_bf16"])
 @pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
-def test_gpu_paired_ptx_equals_emulation(k: int, n: int, dtype: torch.dtype) -> None:
+def test_gpu_paired_ptx_equals_emulation(k: int, n: int, dtype: torch.dtype | str) -> None:
     """The PTX path against the emulation of the same operations on the same GPU (bit-identical), and both within
-    the bound of the fp32 reference."""
+    the bound of the fp32 reference; ``huge_bf16``: bf16 activations up to 3e5 in the first quarter of K (the
+    scaled conversion there, the plain one in the splits after)."""
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     qweight = _words(gen, k, n).cuda()
     scales = (torch.rand(k // 128, n, generator=gen) * 0.02 + 0.002).to(torch.float16).cuda()
-    x = torch.randn(1, k, generator=gen).to(dtype).cuda()
+    x = torch.randn(1, k, generator=gen)
+    if dtype == "huge_bf16":
+        x[0, : k // 4] *= 3e5
+    x = x.to(torch.bfloat16 if dtype == "huge_bf16" else dtype).cuda()
     got = tk.matmul(x, qweight, scales, 4, 128)
     emulated = tk.matmul_paired(x, qweight, scales, 4, 128, emulate=True)
     assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
+    assert bool(torch.isfinite(got).all()), f"seed={seed}: non-finite outputs"
     _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, f"seed={seed} K={k} N={n} {dtype}")

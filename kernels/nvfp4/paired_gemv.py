@@ -16,7 +16,9 @@ split into the even and odd word of each 16-input block (two words per FP8 scale
 Numerics: the activation is rounded to fp16 (exact for bf16 values between 2**-14 and 65504 in magnitude); each
 word's two 4-term sums round to fp16 (relative 2**-11 per operation); products below fp16's normal range lose
 bits (weights under 2**-14 of their block's scale times ``2**-14``: blocks whose FP8 scale is subnormal). Every
-4-term sum stays below the largest activation, so any activation that fits fp16 is safe. A NaN scale byte (0x7F,
+4-term sum stays below the largest activation, so any activation that fits fp16 is safe; a split whose bf16
+activations reach 32768 runs on them times a power of two and scales its sum back, as the W4A16 GEMV does
+(``salaquant.kernels.w4a16.paired_gemv``). A NaN scale byte (0x7F,
 0xFF) gives NaN outputs, as the reference does.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
+from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, range_shift
 from .split_k import finish, k_range
 
 __all__ = ["E2M1_PAIRS_PTX", "OUT_SHIFT", "e2m1_pair", "nvfp4_paired_gemv_kernel", "scale_pair"]
@@ -120,20 +122,64 @@ def scale_pair(s, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(x_ptr, blocks, mask, shape: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+def _x_pairs(
+    x_ptr,
+    blocks,
+    mask,
+    shift,
+    shape: tl.constexpr,
+    HALF: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+    SCALED: tl.constexpr,
+):
     """The four fp16 activation pairs ``(x[8 w + i], x[8 w + i + 4])`` of word ``w = 2 * block + HALF`` (``mask``:
     the blocks inside K, or None), broadcast over the rows to ``shape``."""
     xb = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + blocks * 8 + HALF * 4
-    v01 = f16_pair(tl.load(xb + 0, mask=mask, other=0 if mask is not None else None), BF16, ASM)
-    v23 = f16_pair(tl.load(xb + 1, mask=mask, other=0 if mask is not None else None), BF16, ASM)
-    v45 = f16_pair(tl.load(xb + 2, mask=mask, other=0 if mask is not None else None), BF16, ASM)
-    v67 = f16_pair(tl.load(xb + 3, mask=mask, other=0 if mask is not None else None), BF16, ASM)
+    v01 = f16_pair_shifted(tl.load(xb + 0, mask=mask, other=0 if mask is not None else None), shift, BF16, ASM, SCALED)
+    v23 = f16_pair_shifted(tl.load(xb + 1, mask=mask, other=0 if mask is not None else None), shift, BF16, ASM, SCALED)
+    v45 = f16_pair_shifted(tl.load(xb + 2, mask=mask, other=0 if mask is not None else None), shift, BF16, ASM, SCALED)
+    v67 = f16_pair_shifted(tl.load(xb + 3, mask=mask, other=0 if mask is not None else None), shift, BF16, ASM, SCALED)
     return (
         tl.broadcast_to(halves(v01, v45, False)[None, :], shape),
         tl.broadcast_to(halves(v01, v45, True)[None, :], shape),
         tl.broadcast_to(halves(v23, v67, False)[None, :], shape),
         tl.broadcast_to(halves(v23, v67, True)[None, :], shape),
     )
+
+
+@triton.jit
+def _tiles(
+    x_ptr, w_ptr, s_ptr, offs_n, n_ok, K, k_first, k_last, shift,
+    BLOCK_B: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """The fp32 ``[BLOCK_N, BLOCK_B]`` partial sums of K tiles ``k_first .. k_last`` (activations times
+    ``2**-shift`` when ``SCALED``; the caller picks one of the two loops with a uniform branch)."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    offs_b = tl.arange(0, BLOCK_B)
+    nb = K // 16
+    shape: tl.constexpr = (BLOCK_N, BLOCK_B)
+    acc = tl.zeros(shape, tl.float32)
+    for kt in range(k_first, k_last):
+        blocks = kt * BLOCK_B + offs_b
+        words = 2 * kt * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
+        w_ptrs = w_ptr + offs_n[:, None] * (K // 8) + words[None, :]
+        s_ptrs = s_ptr + offs_n[:, None] * nb + blocks[None, :]
+        if EVEN:
+            b_ok = None
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+        else:
+            b_ok = blocks < nb
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (words < 2 * nb)[None, :], other=0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None] & b_ok[None, :], other=0)
+        w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, BLOCK_B, 2)))
+        sc = scale_pair(s, ASM)
+        e0, e1, e2, e3 = _x_pairs(x_ptr, blocks, b_ok, shift, shape, 0, BF16, ASM, SCALED)
+        o0, o1, o2, o3 = _x_pairs(x_ptr, blocks, b_ok, shift, shape, 1, BF16, ASM, SCALED)
+        acc = _word_dot(w_even, e0, e1, e2, e3, sc, acc, ASM)
+        acc = _word_dot(w_odd, o0, o1, o2, o3, sc, acc, ASM)
+    return acc
 
 
 @triton.jit
@@ -162,31 +208,16 @@ def nvfp4_paired_gemv_kernel(
     split_k = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_b = tl.arange(0, BLOCK_B)
-    nb = K // 16
     k_first, k_last = k_range(pid_k, split_k, K, BLOCK_B * 16)
-    shape: tl.constexpr = (BLOCK_N, BLOCK_B)
-    acc = tl.zeros(shape, tl.float32)
-    for kt in range(k_first, k_last):
-        blocks = kt * BLOCK_B + offs_b
-        words = 2 * kt * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
-        w_ptrs = w_ptr + offs_n[:, None] * (K // 8) + words[None, :]
-        s_ptrs = s_ptr + offs_n[:, None] * nb + blocks[None, :]
-        if EVEN:
-            b_ok = None
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
+    args = (x_ptr, w_ptr, s_ptr, offs_n, n_ok, K, k_first, k_last)
+    if BF16:  # activations beyond fp16's range are scaled by 2**-shift, this split's sum by 2**shift
+        shift = range_shift(x_ptr, k_first * BLOCK_B * 16, tl.minimum(k_last * BLOCK_B * 16, K), RANGE_CHUNK)
+        if shift == 0:
+            acc = _tiles(*args, shift, BLOCK_B, BF16, ASM, EVEN, False)
         else:
-            b_ok = blocks < nb
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (words < 2 * nb)[None, :], other=0)
-            s = tl.load(s_ptrs, mask=n_ok[:, None] & b_ok[None, :], other=0)
-        w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, BLOCK_B, 2)))
-        sc = scale_pair(s, ASM)
-        e0, e1, e2, e3 = _x_pairs(x_ptr, blocks, b_ok, shape, 0, BF16, ASM)
-        o0, o1, o2, o3 = _x_pairs(x_ptr, blocks, b_ok, shape, 1, BF16, ASM)
-        acc = _word_dot(w_even, e0, e1, e2, e3, sc, acc, ASM)
-        acc = _word_dot(w_odd, o0, o1, o2, o3, sc, acc, ASM)
+            acc = _tiles(*args, shift, BLOCK_B, BF16, ASM, EVEN, True)
+        y = tl.sum(acc, axis=1) * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    else:
+        y = tl.sum(_tiles(*args, 0, BLOCK_B, BF16, ASM, EVEN, False), axis=1)
     gscale = tl.load(gs_ptr) * OUT_SHIFT
-    finish(
-        tl.sum(acc, axis=1), gscale, out_ptr + offs_n, ws_ptr + offs_n, n_ok, cnt_ptr, pid_n, pid_k, N, split_k, SPLIT
-    )
+    finish(y, gscale, out_ptr + offs_n, ws_ptr + offs_n, n_ok, cnt_ptr, pid_n, pid_k, N, split_k, SPLIT)

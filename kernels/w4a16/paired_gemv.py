@@ -14,7 +14,12 @@ instructions per weight, against 5.1 for the fp32 GEMV (``benchmarks/sass_report
 Numerics: the activation is rounded to fp16 (exact for bf16 values between 2**-14 and 65504 in magnitude, and
 for fp16 activations), each word's two 4-term sums round to fp16 (relative 2**-11, below the output's own
 rounding), and everything after is fp32. The ``1/32`` keeps every 4-term sum within the activation's magnitude,
-so any activation that fits fp16 (|x| <= 65504) is safe; the result is multiplied by 32 at the end (exact).
+so any activation that fits fp16 (|x| <= 65504) is safe; the result is multiplied by 32 at the end (exact). bf16
+activations of 32768 or more in a program's K slice are scaled first: the program reads its slice's largest
+magnitude (``range_shift``), runs the loop on the activations times ``2**-e`` (the smallest power that brings them
+below 32768) and multiplies its sum by ``2**e``; slices in range run the unscaled loop (a uniform branch), so their
+numbers are unchanged. In a scaled slice the values below ``2**(e - 14)`` lose relative precision, by at most
+``2**(e - 25)`` absolute each, under ``2**-39`` of the slice's largest.
 
 On a GPU the paired operations are PTX (``ASM``); under the Triton interpreter they are emulated on the same
 packed words and pairs (``salaquant.kernels.paired_f16``).
@@ -25,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, emulated_fma2, f16_pair, half, halves, i32
+from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, range_shift
 from .split_k import k_slice, load_words, split_k_store, tile_scales
 
 __all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
@@ -118,6 +123,41 @@ def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tiles(
+    x_ptr, w_ptr, s_ptr, t_start, t_end, offs_n, mask_n, N, K, shift,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """The fp32 ``[ROWS, BLOCK_N]`` partial sums of K tiles ``t_start .. t_end`` (activations times ``2**-shift``
+    when ``SCALED``; the caller picks one of the two loops with a uniform branch)."""
+    ROWS: tl.constexpr = BLOCK_K // 8
+    offs_r = tl.arange(0, ROWS)
+    shape: tl.constexpr = (ROWS, offs_n.shape[0])
+    acc = tl.zeros(shape, tl.float32)
+    words = load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, 8)
+    for t in range(t_start, t_end):
+        nxt = load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, 8)  # issued before this tile's math
+        rows = t * ROWS + offs_r
+        mask_r = rows < K // 8
+        # activations 8 r .. 8 r + 7 as four int32 pairs (2 r, 2 r + 1) .. (8 r + 6, 8 r + 7), then (j, j + 4)
+        xb = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * 4
+        v01 = f16_pair_shifted(tl.load(xb + 0, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
+        v23 = f16_pair_shifted(tl.load(xb + 1, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
+        v45 = f16_pair_shifted(tl.load(xb + 2, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
+        v67 = f16_pair_shifted(tl.load(xb + 3, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
+        p0 = tl.broadcast_to(halves(v01, v45, False)[:, None], shape)
+        p1 = tl.broadcast_to(halves(v01, v45, True)[:, None], shape)
+        p2 = tl.broadcast_to(halves(v23, v67, False)[:, None], shape)
+        p3 = tl.broadcast_to(halves(v23, v67, True)[:, None], shape)
+        if GROUP_SIZE <= 0:
+            s = tl.full(shape, 1.0, tl.float32)
+        else:
+            s = tl.broadcast_to(tile_scales(s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE, BLOCK_K, 8), shape)
+        acc = word_dot(words, p0, p1, p2, p3, s, acc, ASM)
+        words = nxt
+    return acc
+
+
+@triton.jit
 def paired_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -134,36 +174,20 @@ def paired_gemv_kernel(
     ASM: tl.constexpr,
 ):
     """Split-K GEMV on paired fp16 math (see the module docstring); grid ``(cdiv(N, BLOCK_N), splits)``."""
-    ROWS: tl.constexpr = BLOCK_K // 8
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_r = tl.arange(0, ROWS)
     t_start, t_end = k_slice(K, BLOCK_K)
-    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    words = load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, 8)
-    for t in range(t_start, t_end):
-        nxt = load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, 8)  # issued before this tile's math
-        rows = t * ROWS + offs_r
-        mask_r = rows < K // 8
-        # activations 8 r .. 8 r + 7 as four int32 pairs (2 r, 2 r + 1) .. (8 r + 6, 8 r + 7), then (j, j + 4)
-        xb = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * 4
-        v01 = f16_pair(tl.load(xb + 0, mask=mask_r, other=0), BF16, ASM)
-        v23 = f16_pair(tl.load(xb + 1, mask=mask_r, other=0), BF16, ASM)
-        v45 = f16_pair(tl.load(xb + 2, mask=mask_r, other=0), BF16, ASM)
-        v67 = f16_pair(tl.load(xb + 3, mask=mask_r, other=0), BF16, ASM)
-        shape: tl.constexpr = (ROWS, BLOCK_N)
-        p0 = tl.broadcast_to(halves(v01, v45, False)[:, None], shape)
-        p1 = tl.broadcast_to(halves(v01, v45, True)[:, None], shape)
-        p2 = tl.broadcast_to(halves(v23, v67, False)[:, None], shape)
-        p3 = tl.broadcast_to(halves(v23, v67, True)[:, None], shape)
-        if ONE_GROUP:
-            s = tl.full(shape, 1.0, tl.float32)
+    args = (x_ptr, w_ptr, s_ptr, t_start, t_end, offs_n, mask_n, N, K)
+    if BF16:  # activations beyond fp16's range are scaled by 2**-shift, the result by 2**shift
+        shift = range_shift(x_ptr, t_start * BLOCK_K, tl.minimum(t_end * BLOCK_K, K), RANGE_CHUNK)
+        if shift == 0:
+            acc = _tiles(*args, shift, GROUP_SIZE, BLOCK_K, BF16, ASM, False)
         else:
-            s = tl.broadcast_to(tile_scales(s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE, BLOCK_K, 8), shape)
-        acc = word_dot(words, p0, p1, p2, p3, s, acc, ASM)
-        words = nxt
-    y = tl.sum(acc, axis=0) * OUT_SCALE
+            acc = _tiles(*args, shift, GROUP_SIZE, BLOCK_K, BF16, ASM, True)
+        y = tl.sum(acc, axis=0) * OUT_SCALE * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    else:
+        y = tl.sum(_tiles(*args, 0, GROUP_SIZE, BLOCK_K, BF16, ASM, False), axis=0) * OUT_SCALE
     if ONE_GROUP:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)

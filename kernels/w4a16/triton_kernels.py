@@ -262,7 +262,7 @@ def matmul_paired(
     emulate: bool = False,
 ) -> Tensor:
     """``x [1, K] @ W^T`` with the paired-fp16 GEMV (``paired_gemv``): 4-bit codes, an fp16 or bf16 activation
-    whose magnitude fits fp16.
+    (bf16 of any magnitude: a K slice holding values past fp16's range is scaled by a power of two).
 
     ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``emulate`` runs
     the interpreter's emulation of the paired operations on a GPU too, to check the PTX against it.
