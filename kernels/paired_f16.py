@@ -22,6 +22,7 @@ __all__ = [
     "halves",
     "i32",
     "join",
+    "pow2",
     "range_shift",
 ]
 
@@ -112,6 +113,12 @@ RANGE_CHUNK = tl.constexpr(2048)
 
 
 @triton.jit
+def pow2(e):
+    """``2**e`` as an fp32 scalar, exact, for an int32 ``-126 <= e <= 127``."""
+    return ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def range_shift(x_ptr, first, last, CHUNK: tl.constexpr):
     """The smallest ``e >= 0`` with ``|x[i]| * 2**-e < 2**15`` for every ``first <= i < last`` (int32 scalar): the
     power of two that brings a program's bf16 activations into fp16 range, 0 for any activations below 32768 in
@@ -133,7 +140,7 @@ def f16_pair_shifted(v, shift, BF16: tl.constexpr, ASM: tl.constexpr, SCALED: tl
     if not SCALED:
         pair = f16_pair(v, BF16, ASM)
     else:
-        scale = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+        scale = pow2(-shift)
         if ASM:
             pair = tl.inline_asm_elementwise(
                 _BF16_PAIR_SCALED_PTX,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, range_shift
+from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
 from .split_k import finish, k_range
 
 __all__ = ["E2M1_PAIRS_PTX", "OUT_SHIFT", "e2m1_pair", "nvfp4_paired_gemv_kernel", "scale_pair"]
@@ -216,7 +216,7 @@ def nvfp4_paired_gemv_kernel(
             acc = _tiles(*args, shift, BLOCK_B, BF16, ASM, EVEN, False)
         else:
             acc = _tiles(*args, shift, BLOCK_B, BF16, ASM, EVEN, True)
-        y = tl.sum(acc, axis=1) * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        y = tl.sum(acc, axis=1) * pow2(shift)
     else:
         y = tl.sum(_tiles(*args, 0, BLOCK_B, BF16, ASM, EVEN, False), axis=1)
     gscale = tl.load(gs_ptr) * OUT_SHIFT

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, range_shift
+from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
 from .split_k import k_slice, load_words, split_k_store, tile_scales
 
 __all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
@@ -185,7 +185,7 @@ def paired_gemv_kernel(
             acc = _tiles(*args, shift, GROUP_SIZE, BLOCK_K, BF16, ASM, False)
         else:
             acc = _tiles(*args, shift, GROUP_SIZE, BLOCK_K, BF16, ASM, True)
-        y = tl.sum(acc, axis=0) * OUT_SCALE * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        y = tl.sum(acc, axis=0) * OUT_SCALE * pow2(shift)
     else:
         y = tl.sum(_tiles(*args, 0, GROUP_SIZE, BLOCK_K, BF16, ASM, False), axis=0) * OUT_SCALE
     if ONE_GROUP:

@@ -333,7 +333,7 @@ def matmul_mma_rows(
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
-    if bits != 4 or x.dtype not in (torch.float16, torch.bfloat16) or not 1 <= m <= 16 or kernel_gs == 0:
+    if not (1 <= m <= 16 and _mma_rows_takes(x, bits, gs, k)):
         raise ValueError(
             f"the mma kernel takes 1 to 16 fp16/bf16 rows, 4-bit codes and groups of a multiple of 32 dividing K; "
             f"got {m} {x.dtype} rows, bits={bits}, group_size={gs}, K={k}"
