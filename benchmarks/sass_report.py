@@ -5,7 +5,7 @@ tensor-core ops), which is what decides a memory-bound kernel's speed before any
 arguments and pointers are declared 16-divisible, as the Triton launcher specializes them at SALA shapes.
 
   python benchmarks/sass_report.py salaquant.kernels.w4a16.gemv:gemv_kernel \
-      --sig x_ptr=*bf16 w_ptr=*i32 ... --const BITS=4 GROUP_SIZE=128 --warps 4 [--sass FILE]
+      --sig x_ptr=*bf16 w_ptr=*i32 ... --const BITS=4 GROUP_SIZE=128 --warps 4 [--maxnreg N] [--sass FILE]
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from triton.compiler import ASTSource
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_kernel(fn, sig: dict[str, str], consts: dict[str, object], warps: int, stages: int):
+def compile_kernel(
+    fn, sig: dict[str, str], consts: dict[str, object], warps: int, stages: int, maxnreg: int | None = None
+):
     names = fn.arg_names
     full = dict(sig)
     for name in consts:
         full[name] = "constexpr"
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*") or t == "i32"}
     src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
+    )
 
 
 def summarize(kernel, sass_path: Path | None = None) -> dict[str, object]:
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--const", nargs="*", default=[], help="name=value for every constexpr")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=1)
+    ap.add_argument("--maxnreg", type=int, help="register limit per thread (ptxas .maxnreg)")
     ap.add_argument("--sass", type=Path)
     args = ap.parse_args()
     mod, name = args.kernel.split(":")
@@ -73,7 +78,7 @@ def main() -> None:
         k: (int(v) if re.fullmatch(r"-?\d+", v) else v == "True" if v in ("True", "False") else v)
         for k, v in _kv(args.const).items()
     }
-    print(summarize(compile_kernel(fn, _kv(args.sig), consts, args.warps, args.stages), args.sass))
+    print(summarize(compile_kernel(fn, _kv(args.sig), consts, args.warps, args.stages, args.maxnreg), args.sass))
 
 
 if __name__ == "__main__":

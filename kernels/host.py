@@ -28,3 +28,11 @@ def pair_aligned(x: torch.Tensor) -> torch.Tensor:
     if x.element_size() == 2 and (x.data_ptr() % 4 or (x.shape[0] > 1 and x.stride(0) % 2)):
         return x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+def wave_split(n_tiles: int, k_tiles: int, resident: int, min_tiles: int = 1) -> int:
+    """K splits for ``n_tiles`` column tiles over ``k_tiles`` K tiles so that every program runs in the first wave of
+    a device that holds ``resident`` programs at once: the most that fit with at least ``min_tiles`` K tiles each
+    (1 when the column tiles alone fill the wave), as the kernels realise it (whole tiles per split, none empty)."""
+    split = max(1, min(resident // max(n_tiles, 1), k_tiles // max(min_tiles, 1)))
+    return cdiv(k_tiles, cdiv(k_tiles, split))

@@ -151,16 +151,18 @@ def test_default_config_takes_the_paired_gemv_for_one_half_row() -> None:
 
 
 def test_paired_splits_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tuned split applies on a Hopper GPU at gate_up (K 4096 -> N 32768) only; elsewhere the default: at
-    most 4 programs per SM of 132 (gate_up: 256 row tiles, so 2 splits; down: 32 tiles and 64 K tiles, 16)."""
+    """The tuned split applies on a Hopper GPU at gate_up (K 4096 -> N 32768) only; elsewhere the largest power of
+    two whose programs fit in one wave of what the GPU holds (here 396: 3 per SM of 132). down: 32 row tiles and 64 K
+    tiles, so 8 splits (16 would make 512 programs); gate_up off Hopper: 256 tiles, so 1."""
     from salaquant.kernels.nvfp4 import triton_kernels as tk
 
-    monkeypatch.setattr(tk, "_programs_target", lambda device: 132)
+    monkeypatch.setattr(tk, "_paired_wave", lambda *args: 396)
     monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 9))
     assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 4
-    assert tk.default_config(1, 4096, 16384, "cuda", torch.bfloat16).split_k == 16
+    assert tk.default_config(1, 4096, 16384, "cuda", torch.bfloat16).split_k == 8
+    assert tk.default_config(1, 4096, 4096, "cuda", torch.bfloat16).split_k == 8
     monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 8))
-    assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 2
+    assert tk.default_config(1, 32768, 4096, "cuda", torch.bfloat16).split_k == 1
 
 
 @needs_triton

@@ -52,6 +52,7 @@ import triton.language as tl
 
 from ..counters import arrival_counters
 from ..device import cuda_facts as _cuda_facts
+from ..device import resident_programs
 from ..host import cdiv, pair_aligned
 from ..mma_rows import check_launch, mma_rows_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
@@ -347,6 +348,8 @@ class NVFP4Config:
     """Weight tiles swept together across M (``"dot"`` only)."""
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None
+    """Registers per thread the compiler may use (ptxas ``.maxnreg``; ``None``: its own choice)."""
 
     def __post_init__(self) -> None:
         if self.kernel not in ("dot", "gemv", "paired"):
@@ -374,13 +377,34 @@ def _pick_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
     return split
 
 
+def _paired_wave(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: torch.dtype) -> int:
+    """Programs of the paired GEMV the device runs at once (4 per SM off the GPU). Its sm_90 build holds 168
+    registers per thread, so an H200 runs 3 programs per SM: splits that made more (down and o_proj: 16 splits of
+    32 column tiles, 512 programs, 26.0 and 10.0 us) ran a second wave that 8 splits avoid (23.3 and 7.8 us;
+    ``benchmarks/rows_waves.py``)."""
+    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return 4 * _programs_target(dev)
+    meta = {
+        "BLOCK_N": bn,
+        "BLOCK_B": bk // 16,
+        "SPLIT": True,
+        "BF16": dtype == torch.bfloat16,
+        "ASM": not _EMULATE_PAIRED,
+        "EVEN": n % bn == 0 and k % bk == 0,
+        "num_warps": 4,
+        "num_stages": 1,
+    }
+    args = (dtype, torch.int32, torch.uint8, torch.float32, dtype, torch.float32, torch.int32, n, k)
+    return resident_programs(nvfp4_paired_gemv_kernel, args, meta, dev)
+
+
 def default_config(
     m: int, n: int, k: int, device: torch.device | str = "cuda", dtype: torch.dtype | None = None
 ) -> NVFP4Config:
     """Launch configuration used when none is given (``dtype``: the activations').
 
-    One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (128 rows x 256 inputs), 4 warps, split-K up to 4
-    programs per SM (``PAIRED_SPLITS`` where tuned).
+    One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (128 rows x 256 inputs), 4 warps, split-K up to
+    the programs the GPU holds at once (``PAIRED_SPLITS`` where tuned).
 
     Decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
     3.6) to about 5 instructions per weight with 92 registers, so 5 programs share an SM and their loads
@@ -392,7 +416,7 @@ def default_config(
     sms = _programs_target(dev)
     if m == 1 and dtype in (torch.float16, torch.bfloat16):
         bn, bk = PAIRED_TILE
-        split = _pick_split(cdiv(n, bn), cdiv(k, bk), 4 * sms, 1)
+        split = _pick_split(cdiv(n, bn), cdiv(k, bk), _paired_wave(n, k, bn, bk, dev, dtype), 1)
         if dev.type == "cuda":
             split = PAIRED_SPLITS.get((_cuda_facts(dev)[1], k, n), split)
         return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
@@ -485,6 +509,7 @@ def nvfp4_matmul_triton(
             x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
             BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
             EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
         )  # fmt: skip
     elif cfg.kernel == "gemv":
         if m > 65535:
@@ -495,7 +520,7 @@ def nvfp4_matmul_triton(
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, BF16=bf16,
             EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     else:
         tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
@@ -504,7 +529,7 @@ def nvfp4_matmul_triton(
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, GROUP_N=cfg.group_n,
             BF16=bf16, X_F32=x.dtype == torch.float32, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     return out
 

@@ -55,7 +55,8 @@ from torch import Tensor
 from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
-from ..host import cdiv, next_power_of_2, pair_aligned
+from ..device import resident_programs
+from ..host import cdiv, next_power_of_2, pair_aligned, wave_split
 from ..mma_rows import check_launch, mma_rows_kernel
 from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
@@ -259,13 +260,15 @@ def matmul_paired(
     block_n: int = PAIRED_CONFIG["block_n"],
     block_k: int = PAIRED_CONFIG["block_k"],
     num_warps: int = PAIRED_CONFIG["num_warps"],
+    maxnreg: int | None = None,
     emulate: bool = False,
 ) -> Tensor:
     """``x [1, K] @ W^T`` with the paired-fp16 GEMV (``paired_gemv``): 4-bit codes, an fp16 or bf16 activation
     (bf16 of any magnitude: a K slice holding values past fp16's range is scaled by a power of two).
 
-    ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``emulate`` runs
-    the interpreter's emulation of the paired operations on a GPU too, to check the PTX against it.
+    ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``maxnreg`` caps
+    the registers per thread (ptxas); ``emulate`` runs the interpreter's emulation of the paired operations on a GPU
+    too, to check the PTX against it.
     """
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     if not _paired_takes(x, bits):
@@ -290,15 +293,42 @@ def matmul_paired(
         ASM=not (_INTERPRET or emulate),
         num_warps=num_warps,
         num_stages=1,
+        maxnreg=maxnreg,
     )
     return y
 
 
 MMA_ROWS_CONFIG = {"tiles": 1, "num_warps": 4}
-"""``matmul_mma_rows`` launch: 4 warps of one column tile of 16 (64 columns per program) at the default split.
+"""``matmul_mma_rows`` launch: 4 warps of one column tile of 16 (64 columns per program), split by ``_mma_rows_wave``.
 Timed on an H200 (``benchmarks/mma_rows.py``, bf16, SALA shapes, 2-16 rows) against 2 tiles, 4 tiles and 8 warps:
 fastest or within 5% of the fastest launch at every shape and row count up to 8 (gate_up 32-33 us, down 21-23 us,
-o_proj 7.5-7.8 us), 7-13% behind the best at 16 rows of gate_up and lightning_qkv."""
+o_proj 7.5-7.8 us); at 16 rows 2 warps were no faster once the split fills one wave (``benchmarks/rows_waves.py``)."""
+
+
+MMA_ROWS_CAP = 64
+"""Registers per thread ``matmul_mma_rows`` may cap its 9-16-row build at (70 uncapped on sm_90 with triton 3.6,
+7 programs of 4 warps per SM; 64: 8, with an 8-byte spill) where that lets its split hold half as many programs again
+in one wave (H200, ``benchmarks/rows_waves.py``: gate_up at 16 rows 45.3 us capped at 2 splits, 60.9 uncapped, whose
+1024 programs ran as 924 and then 100; uncapped at 1 split 56.3; down, whose wave it does not change, 34.9 against
+30.6)."""
+
+
+MMA_ROWS_MIN_GROUPS = 4
+"""Groups each split of ``matmul_mma_rows`` keeps at least (where K has them): o_proj (32 groups) at 2-16 rows took
+8.7-9.6 us at 16 splits of 2 groups, the most one wave holds, against 7.2-8.9 at 8 of 4 (H200)."""
+
+
+def _mma_rows_wave(args: tuple, meta: dict, n_tiles: int, groups: int, device: torch.device) -> tuple[int, int | None]:
+    """``(split, maxnreg)`` of a ``matmul_mma_rows`` launch: the most splits (of ``MMA_ROWS_MIN_GROUPS`` groups or
+    more) whose programs the GPU holds at once (``wave_split``), and ``MMA_ROWS_CAP`` for more than 8 rows where
+    it makes that split half as large again."""
+    split = wave_split(n_tiles, groups, resident_programs(mma_rows_kernel, args, meta, device), MMA_ROWS_MIN_GROUPS)
+    if meta["TWO"] and meta["maxnreg"] is None:
+        capped_wave = resident_programs(mma_rows_kernel, args, {**meta, "maxnreg": MMA_ROWS_CAP}, device)
+        capped = wave_split(n_tiles, groups, capped_wave, MMA_ROWS_MIN_GROUPS)
+        if 2 * capped >= 3 * split:
+            return capped, MMA_ROWS_CAP
+    return split, meta["maxnreg"]
 
 
 def _mma_rows_takes(x: Tensor, bits: int, group_size: int, k: int) -> bool:
@@ -324,12 +354,14 @@ def matmul_mma_rows(
     split_k: int | None = None,
     tiles: int = MMA_ROWS_CONFIG["tiles"],
     num_warps: int = MMA_ROWS_CONFIG["num_warps"],
+    maxnreg: int | None = None,
     emulate: bool = False,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
     (any magnitude: bf16 MMA) or fp16 ones, groups of a multiple of 32 dividing K (or one group, K a multiple of
-    128). ``split_k`` overrides the split heuristic (splits of whole groups); ``emulate`` runs the interpreter's
-    emulation of the PTX on a GPU too, to check the PTX against it."""
+    128). ``split_k`` overrides the split heuristic (splits of whole groups); ``maxnreg`` caps the registers per
+    thread (ptxas); ``emulate`` runs the interpreter's emulation of the PTX on a GPU too, to check the PTX against
+    it."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
@@ -340,31 +372,25 @@ def matmul_mma_rows(
         )
     block_n = check_launch(tiles, num_warps)
     y = _output(out, m, n, x)
+    group = 128 if kernel_gs < 0 else kernel_gs
+    meta = {
+        "GROUP_SIZE": kernel_gs,
+        "TILES": tiles,
+        "WARPS": num_warps,
+        "TWO": m > 8,
+        "FP4": False,
+        "BF16": x.dtype == torch.bfloat16,
+        "ASM": not (_INTERPRET or emulate),
+        "num_warps": num_warps,
+        "num_stages": 1,
+        "maxnreg": maxnreg,
+    }
+    if split_k is None and x.is_cuda and not _INTERPRET:
+        args = (x, qweight, scales, scales, y, torch.float32, torch.int32, m, n, k, x.stride(0), y.stride(0))
+        split_k, meta["maxnreg"] = _mma_rows_wave(args, meta, cdiv(n, block_n), k // group, x.device)
     # splits of whole groups: the group is the K tile
-    grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, 128 if kernel_gs < 0 else kernel_gs, split_k, 1)
-    mma_rows_kernel[grid](
-        x,
-        qweight,
-        scales,
-        scales,  # no global scale
-        y,
-        part,
-        cnt,
-        m,
-        n,
-        k,
-        x.stride(0),
-        y.stride(0),
-        GROUP_SIZE=kernel_gs,
-        TILES=tiles,
-        WARPS=num_warps,
-        TWO=m > 8,
-        FP4=False,
-        BF16=x.dtype == torch.bfloat16,
-        ASM=not (_INTERPRET or emulate),
-        num_warps=num_warps,
-        num_stages=1,
-    )
+    grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, group, split_k, 1)
+    mma_rows_kernel[grid](x, qweight, scales, scales, y, part, cnt, m, n, k, x.stride(0), y.stride(0), **meta)
     return y
 
 
