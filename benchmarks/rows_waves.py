@@ -7,9 +7,11 @@ copies (``kernels_w4a16.py``'s method), cuBLAS bf16 and:
 * ``mma``: ``matmul_mma_rows`` (GPTQ g128, bf16) at each row count, launch ``(tiles, warps)``, split and
   register cap;
 * ``paired``: the one-row W4A16 GEMV (``matmul_paired``) at each split and register cap;
-* ``nvfp4``: the one-row NVFP4 GEMV (``nvfp4_matmul_triton`` with its default paired config) likewise.
+* ``nvfp4``: the one-row NVFP4 GEMV (``nvfp4_matmul_triton`` with its default paired config) likewise;
+* ``cache``: ``matmul_mma_rows`` at its default launch with the weights' loads kept out of L1 (``.cg``) and/or the
+  activations' loads marked ``evict_last``, so the activations, which every program rereads, stay in L1.
 
-  python benchmarks/rows_waves.py --out OUT [--studies mma paired nvfp4] [--shapes gate_up down] [--ms 8 16]
+  python benchmarks/rows_waves.py --out OUT [--studies mma paired nvfp4 cache] [--shapes gate_up down] [--ms 8 16]
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ SPLITS = (None, 1, 2, 3, 4, 6, 8)
 MMA_CAPS = (None, 64)
 PAIRED_CAPS = (None, 80)
 NVFP4_CAPS = (None, 128)
+CACHE_LAUNCHES = [("", ""), (".cg", ""), ("", "evict_last"), (".cg", "evict_last")]
 
 
-def _time_all(run, caps, launches, rep: int) -> dict:
+def _time_all(run, caps, launches, rep: int, splits=SPLITS) -> dict:
     out = {}
     for cap in caps:
         for launch in launches:
-            for split in SPLITS:
+            for split in splits:
                 label = f"{launch}_s{split}_r{cap}"
                 try:
                     out[label] = _time_us(lambda i, c=cap, la=launch, s=split: run(i, c, la, s), rep)
@@ -62,7 +65,7 @@ def _shape_rows(name: str, studies: list[str], ms: list[int], rep: int, gen: tor
     sc = [(torch.rand(k // GROUP, n, device="cuda", generator=gen) * 0.01 + 1e-3).half() for _ in range(COPIES)]
     dense = [tk.dequantize(qw[i], sc[i], 4, GROUP, dtype=torch.bfloat16).contiguous() for i in range(COPIES)]
     for study in studies:
-        for m in ms if study == "mma" else [1]:
+        for m in ms if study in ("mma", "cache") else [1]:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda", generator=gen)
             row: dict = {"study": study, "layer": name, "K": k, "N": n, "M": m}
             row["cublas_us"] = _time_us(lambda i, x=x: F.linear(x, dense[i]), rep)
@@ -76,6 +79,13 @@ def _shape_rows(name: str, studies: list[str], ms: list[int], rep: int, gen: tor
 
                 row["default"] = f"{(cfg['tiles'], cfg['num_warps'])}_sNone_rNone"
                 row["times"] = _time_all(run, MMA_CAPS, MMA_LAUNCHES, rep)
+            elif study == "cache":
+
+                def run(i, cap, launch, split, x=x):
+                    return tk.matmul_mma_rows(x, qw[i], sc[i], 4, GROUP, weight_cache=launch[0], x_evict=launch[1])
+
+                row["default"] = "('', '')_sNone_rNone"
+                row["times"] = _time_all(run, [None], CACHE_LAUNCHES, rep, [None])
             elif study == "paired":
 
                 def run(i, cap, launch, split, x=x):
@@ -107,7 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rep", type=int, default=40, help="do_bench_cudagraph budget (ms) per timing")
-    ap.add_argument("--studies", nargs="*", default=["mma", "paired", "nvfp4"], choices=["mma", "paired", "nvfp4"])
+    studies = ["mma", "paired", "nvfp4", "cache"]
+    ap.add_argument("--studies", nargs="*", default=studies[:3], choices=studies)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--ms", nargs="*", type=int, default=[8, 16])
     args = ap.parse_args()

@@ -304,13 +304,15 @@ def _round(
 
 
 @triton.jit
-def _pairs(x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr):
+def _pairs(
+    x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr, X_EVICT: tl.constexpr
+):
     """The pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow`` (per
     thread; zeros for rows past ``M``): fp16, or with ``RAW`` in the activations' own 16-bit type."""
     ok = row < M
     xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
     # the word row's eight activations as one 16-byte load per thread ([threads, 4] int32, a row per thread)
-    v = tl.load(xb[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
+    v = tl.load(xb[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0, eviction_policy=X_EVICT)
     even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # int32 pairs 0 and 2, 1 and 3
     v01, v45 = tl.split(even)
     v23, v67 = tl.split(odd)
@@ -329,7 +331,10 @@ def _zeros(n: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _load_group(w_ptr, s_ptr, grp, q, col, N, K, ROUNDS: tl.constexpr, TILES: tl.constexpr, FP4: tl.constexpr, row_end):
+def _load_group(
+    w_ptr, s_ptr, grp, q, col, N, K, ROUNDS: tl.constexpr, TILES: tl.constexpr, FP4: tl.constexpr, row_end,
+    W_CACHE: tl.constexpr,
+):  # fmt: skip
     """Group ``grp``'s words of this thread: for each round ``r`` and tile ``t``, word row ``4 (ROUNDS grp + r) + q``
     at columns ``col + 16 t`` and ``col + 16 t + 8`` (zeros from word row ``row_end`` on or past ``N``), and with
     ``FP4`` the scale bytes of their 16-input blocks after them (words ``[N, K / 8]``, bytes ``[N, K / 16]``; GPTQ
@@ -345,14 +350,20 @@ def _load_group(w_ptr, s_ptr, grp, q, col, N, K, ROUNDS: tl.constexpr, TILES: tl
             if FP4:
                 at_g = w_ptr + c.to(tl.int64) * (K // 8) + wrow
                 s_g = s_ptr + c.to(tl.int64) * (K // 16) + wrow // 2
-                words = words + (tl.load(at_g, mask=ok_g, other=0), tl.load(at_g + 8 * (K // 8), mask=ok_h, other=0))  # noqa: RUF005
+                words = words + (  # noqa: RUF005
+                    tl.load(at_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
+                    tl.load(at_g + 8 * (K // 8), mask=ok_h, other=0, cache_modifier=W_CACHE),
+                )
                 scales = scales + (  # noqa: RUF005
-                    tl.load(s_g, mask=ok_g, other=0),
-                    tl.load(s_g + 8 * (K // 16), mask=ok_h, other=0),
+                    tl.load(s_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
+                    tl.load(s_g + 8 * (K // 16), mask=ok_h, other=0, cache_modifier=W_CACHE),
                 )
             else:
                 at_g = w_ptr + wrow.to(tl.int64) * N + c
-                words = words + (tl.load(at_g, mask=ok_g, other=0), tl.load(at_g + 8, mask=ok_h, other=0))  # noqa: RUF005
+                words = words + (  # noqa: RUF005
+                    tl.load(at_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
+                    tl.load(at_g + 8, mask=ok_h, other=0, cache_modifier=W_CACHE),
+                )
     return words + scales
 
 
@@ -377,6 +388,8 @@ def mma_rows_kernel(
     FP4: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
+    W_CACHE: tl.constexpr = "",
+    X_EVICT: tl.constexpr = "",
 ):
     """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
     grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
@@ -401,19 +414,19 @@ def mma_rows_kernel(
 
     acc = _zeros(NACC * TILES, WARPS)
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1
-    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end)
+    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
     for grp in range(g_start, g_end):
         # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
-        nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end)
+        nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
         if FP4:  # noqa: SIM108 (a constexpr branch): scaled per block before the MMA, so straight into acc
             part = acc
         else:
             part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
-            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, MMA_BF16, ASM)
+            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, MMA_BF16, ASM, X_EVICT)
             if TWO:  # noqa: SIM108 (a constexpr branch)
-                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, MMA_BF16, ASM)
+                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, MMA_BF16, ASM, X_EVICT)
             else:
                 qp = p
             new = ()

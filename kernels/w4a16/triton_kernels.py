@@ -355,13 +355,16 @@ def matmul_mma_rows(
     tiles: int = MMA_ROWS_CONFIG["tiles"],
     num_warps: int = MMA_ROWS_CONFIG["num_warps"],
     maxnreg: int | None = None,
+    weight_cache: str = "",
+    x_evict: str = "",
     emulate: bool = False,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
     (any magnitude: bf16 MMA) or fp16 ones, groups of a multiple of 32 dividing K (or one group, K a multiple of
     128). ``split_k`` overrides the split heuristic (splits of whole groups); ``maxnreg`` caps the registers per
-    thread (ptxas); ``emulate`` runs the interpreter's emulation of the PTX on a GPU too, to check the PTX against
-    it."""
+    thread (ptxas); ``weight_cache`` is the weight loads' cache modifier (``".cg"``: not kept in L1) and ``x_evict``
+    the activation loads' eviction policy; ``emulate`` runs the interpreter's emulation of the PTX on a GPU too, to
+    check the PTX against it."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
@@ -384,6 +387,8 @@ def matmul_mma_rows(
         "num_warps": num_warps,
         "num_stages": 1,
         "maxnreg": maxnreg,
+        "W_CACHE": weight_cache,
+        "X_EVICT": x_evict,
     }
     if split_k is None and x.is_cuda and not _INTERPRET:
         args = (x, qweight, scales, scales, y, torch.float32, torch.int32, m, n, k, x.stride(0), y.stride(0))
