@@ -27,7 +27,7 @@ from results import write_results
 from salaquant.kernels.nvfp4 import triton_kernels as nk
 from salaquant.kernels.w4a16 import triton_kernels as tk
 
-MMA_LAUNCHES = [(1, 4), (1, 2), (2, 4)]
+MMA_LAUNCHES = [(1, 4), (1, 2), (2, 4), (2, 2)]
 SPLITS = (None, 1, 2, 3, 4, 6, 8)
 MMA_CAPS = (None, 64)
 PAIRED_CAPS = (None, 80)
