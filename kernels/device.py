@@ -18,9 +18,14 @@ def _facts(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.major
 
 
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device's when it has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cuda_facts(device: torch.device) -> tuple[int, int]:
     """``(SM count, compute capability major)`` of a CUDA device (the current one when it has no index)."""
-    return _facts(device.index if device.index is not None else torch.cuda.current_device())
+    return _facts(_index(device))
 
 
 @functools.cache
@@ -53,7 +58,7 @@ def resident_programs(kernel, args: tuple, meta: dict[str, object], device: torc
     dtypes) and ``meta`` (constexprs and launch options) a CUDA device runs at once: its SMs times what each holds of
     the compiled binary (``programs_per_sm``). Compiles without launching the first time (the launch that follows
     reuses the binary); cached per kernel, ``meta`` and device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     key = (kernel, index, tuple(sorted(meta.items())))
     count = _RESIDENT.get(key)
     if count is None:
