@@ -44,6 +44,7 @@ Offsets are 32-bit: each of ``x``, ``weight``, the output and the split-K worksp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -384,12 +385,19 @@ def _paired_wave(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: tor
     ``benchmarks/rows_waves.py``)."""
     if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return 4 * _programs_target(dev)
+    return _paired_resident(n, k, bn, bk, dev, dtype, not _EMULATE_PAIRED)
+
+
+@functools.cache
+def _paired_resident(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: torch.dtype, asm: bool) -> int:
+    """``resident_programs`` of the paired GEMV's launch, once per shape, tile, device and dtype (its meta is built
+    and sorted once, not on every call of ``default_config``)."""
     meta = {
         "BLOCK_N": bn,
         "BLOCK_B": bk // 16,
         "SPLIT": True,
         "BF16": dtype == torch.bfloat16,
-        "ASM": not _EMULATE_PAIRED,
+        "ASM": asm,
         "EVEN": n % bn == 0 and k % bk == 0,
         "num_warps": 4,
         "num_stages": 1,
