@@ -5,8 +5,8 @@ compressed keys are cached. Each step is captured in a CUDA graph and timed two 
 replay (the graph launch and synchronisation included) and the mean of 50 back-to-back replays (what the step
 costs inside a longer decode graph). The kernels of one step come from the profiler, with their start and end
 inside the step; the step is timed again with every kernel launched plainly (no programmatic dependent
-launch) and with the selection's 8-bit radix select, and launch choices of each kernel are swept in graphs of
-their own.
+launch) and with the selection's bit search and 8-bit radix select instead of its interpolation search, and
+launch choices of each kernel are swept in graphs of their own.
 
   python benchmarks/infllm_decode.py --out OUT.json [--seq 131072]
 """
@@ -125,15 +125,18 @@ def main() -> None:
     res["sparse_no_pdl_back_to_back_us"] = _back_to_back_us(g_plain)
     res["sparse_no_pdl_timeline_us"] = _timeline(g_plain)
     launch.USE_PDL = True
-    # the same step with the selection's radix select (8 bits per pass) instead of the bit search
-    default_radix = select.SELECT_RADIX
-    select.SELECT_RADIX = 8
-    res["radix8_max_abs_err_vs_reference"] = float((sparse().float() - want.float()).abs().max())
-    g_radix = capture_graph(sparse)
-    res["sparse_radix8_replay_us"] = _replay_us(g_radix)
-    res["sparse_radix8_back_to_back_us"] = _back_to_back_us(g_radix)
-    res["sparse_radix8_timeline_us"] = _timeline(g_radix)
-    select.SELECT_RADIX = default_radix
+    # the same step with the selection's bit search and its radix select (8 bits per pass) instead of the
+    # interpolation search
+    default_interpolate, default_radix = select.SELECT_INTERPOLATE, select.SELECT_RADIX
+    select.SELECT_INTERPOLATE = False
+    for name, radix in (("bits", 0), ("radix8", 8)):
+        select.SELECT_RADIX = radix
+        res[f"{name}_max_abs_err_vs_reference"] = float((sparse().float() - want.float()).abs().max())
+        g_search = capture_graph(sparse)
+        res[f"sparse_{name}_replay_us"] = _replay_us(g_search)
+        res[f"sparse_{name}_back_to_back_us"] = _back_to_back_us(g_search)
+        res[f"sparse_{name}_timeline_us"] = _timeline(g_search)
+    select.SELECT_INTERPOLATE, select.SELECT_RADIX = default_interpolate, default_radix
 
     # launch choices, each kernel in a graph of its own, with its largest difference from the default launch
     q_start = t - 1
@@ -144,10 +147,12 @@ def main() -> None:
     )
     attn = triton_kernels.block_sparse_attention(q, k, v, idx, q_start, p)
     variants: dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]] = {}
-    for warps in (4, 8, 16):
-        variants[f"pool_select_warps{warps}"] = (
+    for warps, interpolate in itertools.product((4, 8, 16), (True, False)):
+        variants[f"pool_select_warps{warps}" + ("" if interpolate else "_bits")] = (
             idx,
-            lambda warps=warps: triton_kernels.pool_select(scores, q_start, t, p, num_warps=warps),
+            lambda warps=warps, interpolate=interpolate: triton_kernels.pool_select(
+                scores, q_start, t, p, num_warps=warps, interpolate=interpolate
+            ),
         )
     for splits, warps in itertools.product((64, 128, 256), (4, 8)):
         variants[f"stage1_splits{splits}_warps{warps}"] = (

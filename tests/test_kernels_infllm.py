@@ -7,7 +7,10 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from salaquant.kernels import infllm
+from salaquant.kernels.infllm.select import interpolated_kth
 
 from salaquant.model import sparse_attention as ref
 from salaquant.model.sparse_attention import SparseParams
@@ -266,10 +269,10 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
         ),
     ],
 )
-@pytest.mark.parametrize("radix", [0, 8], ids=["bits", "radix8"])
-def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix: int) -> None:
+@pytest.mark.parametrize("radix", [None, 0, 8], ids=["interpolate", "bits", "radix8"])
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix: int | None) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
-    them by lower block index), with the bit search and the 8-bit radix select."""
+    them by lower block index), with the interpolation search, the bit search and the 8-bit radix select."""
     gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.rand(2, 2, tq, n1, generator=gen)
@@ -285,8 +288,10 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, r
 
 
 @needs_triton
-@pytest.mark.parametrize(("seed", "radix"), [(0, 0), (1, 0), (0, 8), (1, 8), (0, 4), (0, 11)])
-def test_pool_select_signed_scores(seed: int, radix: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "radix"), [(0, None), (1, None), (2, None), (0, 0), (1, 0), (0, 8), (1, 8), (0, 4), (0, 11)]
+)
+def test_pool_select_signed_scores(seed: int, radix: int | None) -> None:
     """Scores of both signs and magnitudes far apart (the search runs over the whole int32 range of their
     images): the same blocks as the reference."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=6)
@@ -318,8 +323,61 @@ def test_pool_select_long_row() -> None:
     assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, SMALL).long().cpu(), want.cpu())
 
 
-@pytest.mark.parametrize(("value", "radix"), [(0.0, 0), (0.5, 0), (0.5, 8)])
-def test_pool_select_all_scores_equal(value: float, radix: int) -> None:
+@triton.jit
+def _kth_kernel(img_ptr, forced_ptr, out_ptr, n, k, BLOCK: tl.constexpr):
+    """``interpolated_kth`` on one row of int32 images: ``(v, count)`` into ``out``."""
+    offs = tl.arange(0, BLOCK)
+    in_range = offs < n
+    ordered = tl.load(img_ptr + offs, mask=in_range, other=-2147483648)
+    forced = tl.load(forced_ptr + offs, mask=in_range, other=0) != 0
+    v, count = interpolated_kth(ordered, in_range, forced, n, k)
+    tl.store(out_ptr, v)
+    tl.store(out_ptr + 1, count)
+
+
+def _images(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 images of the kinds of rows that slow an interpolation search down or break its bracket."""
+    if kind == "uniform":
+        return torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    if kind == "extremes":  # the whole int32 range: a few at each end, the rest in a narrow band
+        img = torch.randint(1000, 1100, (n,), generator=gen, dtype=torch.int32)
+        ends = torch.tensor([2**31 - 1, -(2**31), 2**31 - 2], dtype=torch.int32)[:n]
+        img[: len(ends)] = ends
+        return img[torch.randperm(n, generator=gen)]
+    if kind == "geometric":  # counts fall off exponentially with the image: a straight line is far off
+        return (2.0 ** (torch.rand(n, generator=gen) * 31)).to(torch.int64).clamp(max=2**31 - 1).to(torch.int32)
+    if kind == "ties":  # a few distinct values, so counts jump past k
+        return torch.randint(0, 4, (n,), generator=gen, dtype=torch.int32) * 1000003
+    raise ValueError(kind)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["uniform", "extremes", "geometric", "ties"])
+@pytest.mark.parametrize(("n", "k", "n_forced"), [(2048, 96, 5), (300, 7, 0), (64, 64, 3), (257, 4, 9), (2, 1, 0)])
+def test_interpolated_kth_against_topk(kind: str, n: int, k: int, n_forced: int) -> None:
+    """The search's ``(v, count)`` against ``torch.topk``: ``count`` images are at or above ``v``, and they are
+    the top ``k`` exactly, or ``v`` is the k-th largest image (ties at ``v`` to break), with forced blocks (the
+    largest image) fewer than, as many as or more than ``k``."""
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 97 * n + k + len(kind))
+    img = _images(kind, n, gen)
+    forced = torch.zeros(n, dtype=torch.int32)
+    where = torch.randperm(n, generator=gen)[:n_forced]
+    forced[where] = 1
+    img[where] = 0x7F800000  # +inf's image, as the kernel gives forced blocks
+    kth = int(torch.topk(img.long(), k).values[-1])
+    out = torch.full((2,), 12345, dtype=torch.int32, device=DEV)
+    block = max(16, 1 << (n - 1).bit_length())
+    _kth_kernel[(1,)](img.to(DEV), forced.to(DEV), out, n, k, BLOCK=block)
+    v, count = out.tolist()
+    assert count == int((img.long() >= v).sum())
+    if count == k:  # a threshold with exactly the top k above it
+        assert int((img.long() >= v).sum()) == k and v <= kth
+    else:
+        assert v == kth
+
+
+@pytest.mark.parametrize(("value", "radix"), [(0.0, None), (0.5, None), (0.0, 0), (0.5, 0), (0.5, 8)])
+def test_pool_select_all_scores_equal(value: float, radix: int | None) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
     tq, tk = 40, 2000

@@ -13,12 +13,18 @@ from salaquant.model.sparse_attention import SparseParams
 from ..host import cdiv
 from .launch import pdl_args, pow2
 
-__all__ = ["FEW_ROWS", "SELECT_RADIX", "pool_select", "radix_kth"]
+__all__ = ["FEW_ROWS", "SELECT_INTERPOLATE", "SELECT_RADIX", "interpolated_kth", "pool_select", "radix_kth"]
 
 SELECT_RADIX = 0
-"""Bits of the k-th pooled score ``pool_select`` finds per pass: 0 for the bit search (one count per bit, ending
-once a count lands on k), or a radix select's digit width (a histogram per pass). The radix select is not yet timed
-on a GPU (``benchmarks/infllm_select_anatomy.py`` compares them); the bit search stays the default until it is."""
+"""Bits of the k-th pooled score ``pool_select`` finds per pass when it does not interpolate: 0 for the bit search
+(one count per bit, ending once a count lands on k), or a radix select's digit width (a histogram per pass; slower
+on an H200 at 4, 8 and 11 bits, ``benchmarks/infllm_select_anatomy.py``)."""
+
+SELECT_INTERPOLATE = True
+"""Find the k-th pooled score by a safeguarded interpolation search (``interpolated_kth``) rather than the bit
+search (``SELECT_RADIX = 0``); either gives the same blocks. On an H200 the 128K decode step took 31.4 us per
+replay of its CUDA graph and 25.8 back to back with it, against 32.6 and 27.2 with the bit search in the same run
+(``benchmarks/infllm_decode.py``); the selection alone, 11.0 against 11.8 us back to back."""
 
 FEW_ROWS = 128
 """Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
@@ -60,6 +66,105 @@ def radix_kth(ordered, in_range, k_sel, RADIX: tl.constexpr):
 
 
 @triton.jit
+def _bounds(lo_a, hi_a, top_a, n_a, lo_b, hi_b, top_b, n_b):
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b), tl.maximum(top_a, top_b), n_a + n_b
+
+
+@triton.jit
+def _step_counts(na_a, nb_a, mn_a, mx_a, na_b, nb_b, mn_b, mx_b):
+    return na_a + na_b, nb_a + nb_b, tl.minimum(mn_a, mn_b), tl.maximum(mx_a, mx_b)
+
+
+@triton.jit
+def _count_target(lo, width, c_lo, c_hi, target):
+    """``lo`` plus where a straight line through the bracket's counts ``(lo, c_lo)`` and ``(lo + width, c_hi)``
+    crosses count ``target`` (fp32: a guess), kept strictly inside the bracket."""
+    frac = (c_lo.to(tl.float32) - target) / (c_lo - c_hi).to(tl.float32)
+    step = (width.to(tl.float32) * tl.minimum(tl.maximum(frac, 0.0), 1.0)).to(tl.int64)
+    return lo + tl.minimum(tl.maximum(step, 1), width - 1)
+
+
+INTERP_MARGIN = tl.constexpr(0.05)
+"""``interpolated_kth`` aims its two counts of a step this fraction of the bracket's count range (at least one
+block) either side of ``k``."""
+
+
+@triton.jit
+def interpolated_kth(ordered, in_range, forced, n_blocks, k_sel):
+    """``(v, count)``: a threshold image ``v`` with ``count`` of the int32 images ``ordered`` (where ``in_range``)
+    at or above it, and either ``count == k_sel`` (they are the top k) or ``v`` the ``k_sel``-th largest image.
+
+    A safeguarded interpolation search on counts. It keeps a bracket ``lo < hi`` with ``count(>= lo) >= k`` and
+    ``count(>= hi) < k``, from the smallest image (count ``n_blocks``) to one past the largest unforced image
+    (count at most the forced blocks'; one past the largest of all where the forced blocks alone are ``k`` or
+    more). A step makes one reduction: the counts at the two images where a straight line through the bracket's
+    counts crosses ``k + 1/2`` plus and minus a margin (``INTERP_MARGIN``), so that the bracket closes in from both
+    sides (at its thirds instead after a step that did not halve it), and the smallest and largest image inside
+    the bracket, to which it then shrinks (no count changes), so that a tie at the k-th score ends the search once
+    it is all the bracket holds. It ends when a count lands on ``k`` or the bracket holds one image (``lo``, the
+    k-th largest): 6 to 10 steps on decode rows at 128K context against 19 to 32 counts for the bit search
+    (``benchmarks/select_steps.py``)."""
+    big = tl.full(ordered.shape, 2147483647, tl.int32)
+    small = tl.full(ordered.shape, -2147483648, tl.int32)
+    free = in_range & ~forced
+    lo32, hi32, top32, n_forced = tl.reduce(
+        (
+            tl.where(in_range, ordered, big),
+            tl.where(free, ordered, small),
+            tl.where(in_range, ordered, small),
+            (in_range & forced).to(tl.int32),
+        ),
+        0,
+        _bounds,
+    )
+    lo = lo32.to(tl.int64)
+    c_lo = n_blocks + tl.zeros([], tl.int32)
+    if n_forced < k_sel:  # the k-th is below every forced block: the bracket's top is the largest free image
+        hi = hi32.to(tl.int64) + 1
+        c_hi = n_forced
+    else:
+        hi = top32.to(tl.int64) + 1
+        c_hi = tl.zeros([], tl.int32)
+    bisect = tl.zeros([], tl.int1)
+    while (hi - lo > 1) & (c_lo != k_sel):
+        width = hi - lo
+        if bisect:
+            a = lo + tl.maximum(width // 3, 1)
+            b = lo + tl.minimum(tl.maximum((2 * width) // 3, 1), width - 1)
+        else:
+            margin = tl.maximum(INTERP_MARGIN * (c_lo - c_hi).to(tl.float32), 1.0)
+            a = _count_target(lo, width, c_lo, c_hi, k_sel + 0.5 + margin)
+            b = _count_target(lo, width, c_lo, c_hi, k_sel + 0.5 - margin)
+        inside = in_range & (ordered >= lo.to(tl.int32)) & (ordered <= (hi - 1).to(tl.int32))
+        n_a, n_b, first, last = tl.reduce(
+            (
+                (ordered >= a.to(tl.int32)).to(tl.int32),
+                (ordered >= b.to(tl.int32)).to(tl.int32),
+                tl.where(inside, ordered, big),
+                tl.where(inside, ordered, small),
+            ),
+            0,
+            _step_counts,
+        )
+        if n_b >= k_sel:  # a <= b, so n_a >= n_b: both at or below the k-th
+            lo = b
+            c_lo = n_b
+        elif n_a >= k_sel:
+            lo = a
+            c_lo = n_a
+            hi = b
+            c_hi = n_b
+        else:
+            hi = a
+            c_hi = n_a
+        # no image lies in [old lo, first) or (last, old hi): the same counts at the bracket's images
+        lo = tl.maximum(lo, first.to(tl.int64))
+        hi = tl.minimum(hi, last.to(tl.int64) + 1)
+        bisect = 2 * (hi - lo) > width
+    return lo.to(tl.int32), c_lo
+
+
+@triton.jit
 def _pool_select_kernel(
     scores_ptr,
     idx_ptr,
@@ -81,21 +186,23 @@ def _pool_select_kernel(
     BLOCK_NB: tl.constexpr,
     PDL: tl.constexpr,
     RADIX: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
     Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
-    the ``k``-th largest image, one bit per step in up to 32 dependent counts over the row (int32 throughout); the
-    blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are ``k`` (equal scores:
-    lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us with all 32 counts (5.9 of
-    it, about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``) and 8.9 us ending early after 25 on uniform
-    random scores. Slower or no faster there: 2 or 4 bits per step from 3 or 15 counts made as separate sums (16.9
-    and 19.1 against 14.8 us per row, one launch replayed from a graph), 2 bits from 3 counts packed into one sum
-    of two int32 (11.8 against 11.6 us, back-to-back replays), 4 bits from 16 counts in 16-bit fields of four int64
-    sums (15.3 against 9.8 us in the decode step), ``tl.topk``'s bitonic network (16.4 against 11.7 us, back-to-back
-    replays), and a ternary search making two counts per sum in 16-bit fields of one int32 (21 steps of 0.27 us:
-    9.4 against 9.6 us for the row).
-    The chosen blocks are written in ascending order (future ones as -1).
+    the ``k``-th largest image (or a threshold with exactly ``k`` images at or above it): by interpolation
+    (``INTERP``, ``interpolated_kth``), or one bit per step in up to 32 dependent counts over the row (int32
+    throughout); the blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are
+    ``k`` (equal scores: lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us with all
+    32 counts of the bit search (5.9 of it, about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``) and 8.9 us
+    ending early after 25 on uniform random scores. Slower or no faster than the bit search there: 2 or 4 bits per
+    step from 3 or 15 counts made as separate sums (16.9 and 19.1 against 14.8 us per row, one launch replayed from
+    a graph), 2 bits from 3 counts packed into one sum of two int32 (11.8 against 11.6 us, back-to-back replays), 4
+    bits from 16 counts in 16-bit fields of four int64 sums (15.3 against 9.8 us in the decode step), ``tl.topk``'s
+    bitonic network (16.4 against 11.7 us, back-to-back replays), and a ternary search making two counts per sum in
+    16-bit fields of one int32 (21 steps of 0.27 us: 9.4 against 9.6 us for the row). The chosen blocks are written
+    in ascending order (future ones as -1).
     """
     if PDL:
         gdc_launch_dependents()
@@ -124,7 +231,9 @@ def _pool_select_kernel(
     # (the lower bits of v are still zero, so the sum never carries; int32 wraps at step 0, INT32_MIN + 2^31 = 0)
     # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k. A count of exactly k ends
     # the search early: the images >= v are then the top k, ties and all.
-    if RADIX > 0:  # RADIX bits per pass from a histogram (radix_kth); ties then go through the scan below
+    if INTERP:
+        v, count = interpolated_kth(ordered, in_range, forced, n_blocks, k_sel)
+    elif RADIX > 0:  # RADIX bits per pass from a histogram (radix_kth); ties then go through the scan below
         v = radix_kth(ordered, in_range, k_sel, RADIX)
         count = -1
     else:
@@ -159,16 +268,21 @@ def pool_select(
     out: Tensor | None = None,
     num_warps: int | None = None,
     radix: int | None = None,
+    interpolate: bool | None = None,
 ) -> Tensor:
     """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
 
     Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
-    one program per (query, batch * KV head); a row costs up to 32 dependent counts over
-    ``next_power_of_2(n_blocks)`` pooled scores (fewer when a count lands on ``k`` exactly), or with ``radix``
-    (1 to 16; default ``SELECT_RADIX``) ``ceil(32 / radix)`` passes of a ``2**radix``-bin histogram each.
+    one program per (query, batch * KV head). The k-th pooled score comes from ``interpolated_kth`` (``interpolate``,
+    default ``SELECT_INTERPOLATE``, unless a ``radix`` is given): a few dependent counts over
+    ``next_power_of_2(n_blocks)`` pooled scores on smooth scores; otherwise from the bit search (``radix`` 0, the
+    default ``SELECT_RADIX``: up to 32 counts, fewer when one lands on ``k`` exactly) or a radix select (``radix``
+    1 to 16: ``ceil(32 / radix)`` passes of a ``2**radix``-bin histogram each).
     ``num_warps`` defaults to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that
     shape; a slice along ``Tq`` of a contiguous selection will do) receives the result.
     """
+    if interpolate is None:
+        interpolate = SELECT_INTERPOLATE and radix is None
     radix = SELECT_RADIX if radix is None else radix
     if not 0 <= radix <= 16:
         raise ValueError(f"radix must be 0 (the bit search) or 1 to 16 bits per pass, got {radix}")
@@ -205,6 +319,7 @@ def pool_select(
         LOCAL_BLOCKS=params.local_blocks,
         BLOCK_NB=pow2(n_blocks),
         RADIX=radix,
+        INTERP=bool(interpolate),
         num_warps=num_warps if num_warps is not None else (8 if b * hkv * tq < FEW_ROWS else 4),
         **pdl_args(scores.device),
     )
