@@ -20,25 +20,27 @@ from results import write_results
 from salaquant.kernels.w4a16 import triton_kernels as tk
 
 SWEEP = [
-    (256, 64, 4),
-    (512, 64, 4),
-    (256, 64, 2),
-    (128, 64, 1),
-    (256, 128, 4),
-    (512, 128, 4),
-    (256, 128, 8),
-    (512, 64, 8),
-    (1024, 64, 4),
-    (128, 128, 2),
-    (256, 32, 4),
-    (512, 32, 4),
-    (1024, 32, 4),
-    (2048, 16, 4),
+    (256, 64, 4, 0, None),
+    (512, 64, 4, 0, None),
+    (256, 64, 2, 0, None),
+    (256, 128, 4, 0, None),
+    (512, 64, 8, 0, None),
+    (256, 32, 4, 0, None),
+    (256, 64, 4, 0, 72),
+    (256, 64, 4, 0, 64),
+    (256, 64, 4, 64, None),
+    (256, 64, 4, 64, 72),
+    (256, 64, 4, 64, 64),
+    (256, 64, 4, 32, None),
+    (512, 64, 4, 128, None),
+    (256, 64, 8, 32, None),
+    (512, 64, 8, 64, None),
+    (128, 64, 4, 32, None),
 ]
-"""(BLOCK_N, BLOCK_K, warps) launches ``--sweep`` times, each with several split counts."""
+"""(BLOCK_N, BLOCK_K, warps, sub-tile, register cap) launches ``--sweep`` times, each at several split counts."""
 
 
-def bench(name: str, k: int, n: int, dtype: torch.dtype, rep: int, sweep: bool) -> dict:
+def bench(name: str, k: int, n: int, dtype: torch.dtype, rep: int, sweep: bool, splits: list[int | None]) -> dict:
     x = torch.randn(1, k, dtype=dtype, device="cuda")
     qweight = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda") for _ in range(COPIES)]
     scales = [(torch.rand(k // GROUP, n, device="cuda") * 0.01 + 1e-3).half() for _ in range(COPIES)]
@@ -68,13 +70,23 @@ def bench(name: str, k: int, n: int, dtype: torch.dtype, rep: int, sweep: bool) 
     row["paired_us"] = _time_us(lambda i: tk.matmul_paired(x, qweight[i], scales[i], 4, GROUP), rep)
     if sweep:
         configs = {}
-        for bn, bk, warps in SWEEP:
-            label = f"bn{bn}_bk{bk}_w{warps}"
-            for split in (None, 8, 16, 32):
+        for bn, bk, warps, sub, maxnreg in SWEEP:
+            label = f"bn{bn}_bk{bk}_w{warps}" + (f"_sub{sub}" if sub else "") + (f"_r{maxnreg}" if maxnreg else "")
+            for split in splits:
                 try:
                     us = _time_us(
-                        lambda i, bn=bn, bk=bk, warps=warps, split=split: tk.matmul_paired(
-                            x, qweight[i], scales[i], 4, GROUP, split_k=split, block_n=bn, block_k=bk, num_warps=warps
+                        lambda i, bn=bn, bk=bk, warps=warps, sub=sub, maxnreg=maxnreg, split=split: tk.matmul_paired(
+                            x,
+                            qweight[i],
+                            scales[i],
+                            4,
+                            GROUP,
+                            split_k=split,
+                            block_n=bn,
+                            block_k=bk,
+                            num_warps=warps,
+                            sub=sub,
+                            maxnreg=maxnreg,
                         ),
                         rep // 2,
                     )
@@ -96,14 +108,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rep", type=int, default=200, help="do_bench_cudagraph budget (ms) per timing")
     ap.add_argument("--sweep", action="store_true", help="also time every launch configuration and split")
+    ap.add_argument("--splits", nargs="*", default=["default", "8", "16", "32"], help="split counts the sweep tries")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
     args = ap.parse_args()
+    splits = [None if v == "default" else int(v) for v in args.splits]
     rows = []
     for dtype in (getattr(torch, d) for d in args.dtypes):
         for name in args.shapes:
             k, n = SHAPES[name]
-            row = bench(name, k, n, dtype, args.rep, args.sweep and dtype == torch.bfloat16)
+            row = bench(name, k, n, dtype, args.rep, args.sweep and dtype == torch.bfloat16, splits)
             rows.append(row)
             print(
                 f"{name:<14} {row['dtype']:<9} cuBLAS {row['cublas_us']:7.1f} us  gemv {row['gemv_us']:6.1f} us "

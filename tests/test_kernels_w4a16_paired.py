@@ -33,9 +33,10 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
     assert_within(y, ref, bound, what)
 
 
+@pytest.mark.parametrize("sub", [0, 16], ids=["tile", "subtiles"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_paired_matches_reference(group_size: int, dtype: torch.dtype) -> None:
+def test_paired_matches_reference(group_size: int, dtype: torch.dtype, sub: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     # (K, N, block_n, block_k, split_k): K = 416 is 6.5 tiles of 64 (a partial last tile, splits of 3, 3 and 1
@@ -50,15 +51,16 @@ def test_paired_matches_reference(group_size: int, dtype: torch.dtype) -> None:
         x = torch.randn(1, k, generator=gen).to(dtype)
         out = torch.full((1, n), float("nan"), dtype=dtype)
         y = tk.matmul_paired(
-            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k
+            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k, sub=sub
         )
         assert y is out
         _bound_check(y, x, qweight, scales, group_size, f"seed={seed} K={k} N={n} gs={group_size} {dtype}")
         assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
+@pytest.mark.parametrize("sub", [0, 8], ids=["tile", "subtiles"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype) -> None:
+def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype, sub: int) -> None:
     """16 activations of +-1 at random places (the rest 0) and scales of 1 or 2: every fp16 product and 4-term
     sum and the fp32 accumulation are exact and the outputs are integers of magnitude <= 16 * 8 * 2 = 256, which
     both output dtypes hold, so the output must equal the reference exactly; a code paired with the wrong
@@ -74,7 +76,7 @@ def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype) -> None:
     x[0, torch.randperm(k, generator=gen)[:16]] = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
     x = x.to(dtype)
     for block_k, split_k in ((32, 2), (64, None)):
-        y = tk.matmul_paired(x, qweight, scales, 4, gs, block_n=32, block_k=block_k, split_k=split_k)
+        y = tk.matmul_paired(x, qweight, scales, 4, gs, block_n=32, block_k=block_k, split_k=split_k, sub=sub)
         ref = w4a16_matmul_reference(x.float(), qweight, scales.float(), 4, gs)
         assert torch.equal(y.float(), ref), f"seed={seed}: {int((y.float() != ref).sum())} outputs differ"
 
@@ -95,7 +97,8 @@ def test_paired_activations_near_the_fp16_limit() -> None:
     _bound_check(y, x, qweight, scales, 128, f"seed={seed} large activations")
 
 
-def test_paired_scales_bf16_activations_past_fp16_range() -> None:
+@pytest.mark.parametrize("sub", [0, 16], ids=["tile", "subtiles"])
+def test_paired_scales_bf16_activations_past_fp16_range(sub: int) -> None:
     """bf16 activations beyond fp16's 65504 are scaled by a power of two per program before the fp16 conversion
     and the result scaled back: finite and within the bound. Split 0 holds the huge values (scaled), split 1
     values in range (unscaled); without the scaling the first would be infinite, without scaling back 16x small."""
@@ -108,10 +111,10 @@ def test_paired_scales_bf16_activations_past_fp16_range() -> None:
     x = torch.randn(1, k, generator=gen)
     x[0, :128] *= torch.tensor([3e5, 1e-6]).repeat(64)  # alternately huge and tiny in the first split's inputs
     x = x.to(torch.bfloat16)
-    y = tk.matmul_paired(x, qweight, scales, 4, 128, split_k=2, block_n=64, block_k=128)
+    y = tk.matmul_paired(x, qweight, scales, 4, 128, split_k=2, block_n=64, block_k=128, sub=sub)
     assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
     _bound_check(y, x, qweight, scales, 128, f"seed={seed} huge bf16 activations")
-    y_in_range = tk.matmul_paired(x[:, 128:], qweight[16:], scales[1:], 4, 128, block_n=64, block_k=128)
+    y_in_range = tk.matmul_paired(x[:, 128:], qweight[16:], scales[1:], 4, 128, block_n=64, block_k=128, sub=sub)
     _bound_check(y_in_range, x[:, 128:], qweight[16:], scales[1:], 128, f"seed={seed} the second split alone")
 
 
@@ -154,3 +157,25 @@ def test_gpu_paired_ptx_equals_emulation(k: int, n: int, dtype: torch.dtype | st
     assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
     assert bool(torch.isfinite(got).all()), f"seed={seed}: non-finite outputs"
     _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, f"seed={seed} K={k} N={n} {dtype}")
+
+
+def test_paired_sub_tiles_by_device_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sub-tile layout is chosen on a Hopper GPU at gate_up (K 4096 -> N 32768) only, and only where its width
+    divides the column tile; everything else runs the plain tile; a width the kernel cannot run is refused."""
+    from salaquant.kernels.w4a16 import triton_kernels as tk
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 9))
+    assert tk._paired_sub(cuda, 4096, 32768, 256) == 64
+    assert tk._paired_sub(cuda, 4096, 32768, 32) == 0  # 64 does not divide a 32-column tile
+    assert tk._paired_sub(cuda, 16384, 4096, 256) == 0
+    assert tk._paired_sub(torch.device("cpu"), 4096, 32768, 256) == 0
+    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 8))
+    assert tk._paired_sub(cuda, 4096, 32768, 256) == 0
+    gen = torch.Generator().manual_seed(0)
+    qweight, scales = _words(gen, 256, 64), torch.ones(2, 64, dtype=torch.float16)
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    for bad in (2, 48, 128):  # below 4, not a power of two, wider than the 64-column tile
+        with pytest.raises(ValueError, match="sub must be"):
+            tk.matmul_paired(x, qweight, scales, block_n=64, sub=bad)

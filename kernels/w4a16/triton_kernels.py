@@ -102,6 +102,12 @@ PAIRED_CONFIG = {"block_n": 256, "block_k": 64, "num_warps": 4}
 bf16 row, group 128) in ``benchmarks/w4a16_paired.py --sweep`` on an H200, with ``_PAIRED_MIN_TILES``."""
 _PAIRED_MIN_TILES = 4  # o_proj (K = 4096): 16 splits of 4 tiles, 6.8 us, against 32 of 2
 
+PAIRED_SUB: dict[tuple[int, int, int], int] = {(9, 4096, 32768): 64}
+"""``matmul_paired``'s sub-tile width (``paired_gemv_kernel``'s ``SUB``) keyed by ``(compute capability major, K,
+N)`` where it beat the plain tile on an H200 (``benchmarks/w4a16_paired.py --sweep``, bf16, group 128, two runs):
+gate_up 24.1 us against 25.5; down 17.1-17.2 against 17.2, lightning qkv 13.5 against 13.2-13.3 and o_proj 7.5-7.6
+against 7.1 keep the plain tile (0)."""
+
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
 _MIN_TILES_PER_SPLIT = 2  # and gives every program at least this many K tiles when it can
 _CPU_SMS = 4  # stands in for the SM count under the interpreter
@@ -248,6 +254,14 @@ def _paired_takes(x: Tensor, bits: int) -> bool:
     return bits == 4 and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and x.shape[0] == 1
 
 
+def _paired_sub(device: torch.device, k: int, n: int, block_n: int) -> int:
+    """``PAIRED_SUB``'s width for this GPU and shape where it divides ``block_n``; 0 (the plain tile) elsewhere."""
+    if device.type != "cuda" or _INTERPRET:
+        return 0
+    sub = PAIRED_SUB.get((_cuda_facts(device)[1], k, n), 0)
+    return sub if sub and block_n % sub == 0 else 0
+
+
 def matmul_paired(
     x: Tensor,
     qweight: Tensor,
@@ -260,14 +274,16 @@ def matmul_paired(
     block_n: int = PAIRED_CONFIG["block_n"],
     block_k: int = PAIRED_CONFIG["block_k"],
     num_warps: int = PAIRED_CONFIG["num_warps"],
+    sub: int | None = None,
     maxnreg: int | None = None,
     emulate: bool = False,
 ) -> Tensor:
     """``x [1, K] @ W^T`` with the paired-fp16 GEMV (``paired_gemv``): 4-bit codes, an fp16 or bf16 activation
     (bf16 of any magnitude: a K slice holding values past fp16's range is scaled by a power of two).
 
-    ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``maxnreg`` caps
-    the registers per thread (ptxas); ``emulate`` runs the interpreter's emulation of the paired operations on a GPU
+    ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``sub`` the
+    column sub-tile width (0: the plain tile; default ``PAIRED_SUB`` of this GPU and shape); ``maxnreg`` caps the
+    registers per thread (ptxas); ``emulate`` runs the interpreter's emulation of the paired operations on a GPU
     too, to check the PTX against it.
     """
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
@@ -275,6 +291,9 @@ def matmul_paired(
         raise ValueError(f"the paired GEMV takes one fp16/bf16 row and 4-bit codes, got {x.dtype} {list(x.shape)}")
     if block_k not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_k must be 16, 32, 64, 128 or 256, got {block_k}")
+    sub = _paired_sub(x.device, k, n, block_n) if sub is None else sub
+    if sub and (sub < 4 or sub & (sub - 1) or block_n % sub):
+        raise ValueError(f"sub must be 0 or a power of two of at least 4 that divides block_n={block_n}, got {sub}")
     y = _output(out, 1, n, x)
     grid, part, cnt = _fixed_split_k(x, 1, n, k, block_n, block_k, split_k, _PAIRED_MIN_TILES)
     paired_gemv_kernel[grid](
@@ -291,6 +310,7 @@ def matmul_paired(
         BLOCK_K=block_k,
         BF16=x.dtype == torch.bfloat16,
         ASM=not (_INTERPRET or emulate),
+        SUB=sub,
         num_warps=num_warps,
         num_stages=1,
         maxnreg=maxnreg,
