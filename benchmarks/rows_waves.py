@@ -31,7 +31,7 @@ MMA_LAUNCHES = [(1, 4), (1, 2), (2, 4), (2, 2)]
 SPLITS = (None, 1, 2, 3, 4, 6, 8)
 MMA_CAPS = (None, 64)
 PAIRED_CAPS = (None, 80)
-NVFP4_CAPS = (None, 128)
+NVFP4_CAPS = (None, 168, 128)
 CACHE_LAUNCHES = [("", ""), (".cg", ""), ("", "evict_last"), (".cg", "evict_last")]
 
 
