@@ -22,9 +22,9 @@ on an H200 at 4, 8 and 11 bits, ``benchmarks/infllm_select_anatomy.py``)."""
 
 SELECT_INTERPOLATE = True
 """Find the k-th pooled score by a safeguarded interpolation search (``interpolated_kth``) rather than the bit
-search (``SELECT_RADIX = 0``); either gives the same blocks. On an H200 the 128K decode step took 31.4 us per
-replay of its CUDA graph and 25.8 back to back with it, against 32.6 and 27.2 with the bit search in the same run
-(``benchmarks/infllm_decode.py``); the selection alone, 11.0 against 11.8 us back to back."""
+search (``SELECT_RADIX = 0``); either gives the same blocks. On an H200 the 128K decode step took 30.7 us per
+replay of its CUDA graph and 25.3 back to back with it, against 32.6 and 27.1 with the bit search in the same run
+(``benchmarks/infllm_decode.py``); the selection alone, 10.4 against 11.5 us back to back."""
 
 FEW_ROWS = 128
 """Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
@@ -71,11 +71,6 @@ def _bounds(lo_a, hi_a, top_a, n_a, lo_b, hi_b, top_b, n_b):
 
 
 @triton.jit
-def _step_counts(na_a, nb_a, mn_a, mx_a, na_b, nb_b, mn_b, mx_b):
-    return na_a + na_b, nb_a + nb_b, tl.minimum(mn_a, mn_b), tl.maximum(mx_a, mx_b)
-
-
-@triton.jit
 def _count_target(lo, width, c_lo, c_hi, target):
     """``lo`` plus where a straight line through the bracket's counts ``(lo, c_lo)`` and ``(lo + width, c_hi)``
     crosses count ``target`` (fp32: a guess), kept strictly inside the bracket."""
@@ -97,13 +92,16 @@ def interpolated_kth(ordered, in_range, forced, n_blocks, k_sel):
     A safeguarded interpolation search on counts. It keeps a bracket ``lo < hi`` with ``count(>= lo) >= k`` and
     ``count(>= hi) < k``, from the smallest image (count ``n_blocks``) to one past the largest unforced image
     (count at most the forced blocks'; one past the largest of all where the forced blocks alone are ``k`` or
-    more). A step makes one reduction: the counts at the two images where a straight line through the bracket's
-    counts crosses ``k + 1/2`` plus and minus a margin (``INTERP_MARGIN``), so that the bracket closes in from both
-    sides (at its thirds instead after a step that did not halve it), and the smallest and largest image inside
-    the bracket, to which it then shrinks (no count changes), so that a tie at the k-th score ends the search once
-    it is all the bracket holds. It ends when a count lands on ``k`` or the bracket holds one image (``lo``, the
-    k-th largest): 6 to 10 steps on decode rows at 128K context against 19 to 32 counts for the bit search
-    (``benchmarks/select_steps.py``)."""
+    more). A step takes the counts at the two images where a straight line through the bracket's counts crosses
+    ``k + 1/2`` plus and minus a margin (``INTERP_MARGIN``), so that the bracket closes in from both sides (at its
+    thirds instead after a step that did not halve it), in one sum of 16-bit fields for rows under 65,536 blocks,
+    and the smallest and largest image inside the bracket, to which it then shrinks (no count changes), so that a
+    tie at the k-th score ends the search once it is all the bracket holds. (Three plain reductions a step, which
+    Triton builds on the warps' own reduce instructions, ran 0.4 us faster per decode step on an H200 than one
+    reduction of the four values as a tuple.) It ends when a count lands on ``k`` or the bracket holds one image
+    (``lo``, the k-th largest): 6 to 10 steps on decode rows at 128K context against 19 to 32 counts for the bit
+    search (``benchmarks/select_steps.py``)."""
+    PACKED: tl.constexpr = ordered.shape[0] < 65536
     big = tl.full(ordered.shape, 2147483647, tl.int32)
     small = tl.full(ordered.shape, -2147483648, tl.int32)
     free = in_range & ~forced
@@ -136,16 +134,17 @@ def interpolated_kth(ordered, in_range, forced, n_blocks, k_sel):
             a = _count_target(lo, width, c_lo, c_hi, k_sel + 0.5 + margin)
             b = _count_target(lo, width, c_lo, c_hi, k_sel + 0.5 - margin)
         inside = in_range & (ordered >= lo.to(tl.int32)) & (ordered <= (hi - 1).to(tl.int32))
-        n_a, n_b, first, last = tl.reduce(
-            (
-                (ordered >= a.to(tl.int32)).to(tl.int32),
-                (ordered >= b.to(tl.int32)).to(tl.int32),
-                tl.where(inside, ordered, big),
-                tl.where(inside, ordered, small),
-            ),
-            0,
-            _step_counts,
-        )
+        ge_a = (ordered >= a.to(tl.int32)).to(tl.int32)
+        ge_b = (ordered >= b.to(tl.int32)).to(tl.int32)
+        if PACKED:  # both counts in one sum, b's in the high half (each count < 2**16)
+            both = tl.sum(ge_a + (ge_b << 16), 0)
+            n_a = both & 0xFFFF
+            n_b = both >> 16
+        else:
+            n_a = tl.sum(ge_a, 0)
+            n_b = tl.sum(ge_b, 0)
+        first = tl.min(tl.where(inside, ordered, big), 0)
+        last = tl.max(tl.where(inside, ordered, small), 0)
         if n_b >= k_sel:  # a <= b, so n_a >= n_b: both at or below the k-th
             lo = b
             c_lo = n_b
