@@ -57,10 +57,11 @@ def gemv_kernel(
     offs_r = tl.arange(0, ROWS)
     t_start, t_end = k_slice(K, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    words = load_words(w_ptr, t_start, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+    cols = offs_n[None, :]
+    words = load_words(w_ptr, t_start, t_end, offs_r, cols, N, K, ROWS, PACK)
     for t in range(t_start, t_end):
         # Issue the next tile's loads before this tile's math.
-        nxt = load_words(w_ptr, t + 1, t_end, offs_r, offs_n, N, K, ROWS, PACK)
+        nxt = load_words(w_ptr, t + 1, t_end, offs_r, cols, N, K, ROWS, PACK)
         rows = t * ROWS + offs_r
         mask_r = rows < K // PACK
         hi = words >> 16
@@ -71,7 +72,7 @@ def gemv_kernel(
         if ONE_GROUP:
             acc = part
         else:
-            acc += part * tile_scales(s_ptr, t, rows, mask_r, offs_n, mask_n, N, GROUP_SIZE, BLOCK_K, PACK)
+            acc += part * tile_scales(s_ptr, t, rows, mask_r, offs_n, cols, N, GROUP_SIZE, BLOCK_K, PACK)
         words = nxt
     y = tl.sum(acc, axis=0)
     if ONE_GROUP:

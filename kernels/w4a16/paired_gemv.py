@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
-from .split_k import finish_split_k, k_slice
+from .split_k import finish_split_k, k_slice, lead, load_words, tile_scales
 
 __all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
 
@@ -123,23 +123,6 @@ def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lead(v, cols):
-    """1-D ``v`` (one value per word row) as the leading axis of a tile of ``cols``' rank."""
-    for _ in tl.static_range(len(cols.shape) - 1):
-        v = tl.expand_dims(v, -1)
-    return v
-
-
-@triton.jit
-def _words(w_ptr, t, t_end, offs_r, cols, N, K, ROWS: tl.constexpr):
-    """Word tile ``t`` (int32, word rows leading, then ``cols``' axes), zeros outside the matrix or past
-    ``t_end``."""
-    rows = t * ROWS + offs_r
-    mask = _lead(rows < tl.minimum(K // 8, t_end * ROWS), cols) & (cols < N)
-    return tl.load(w_ptr + _lead(rows, cols) * N + cols, mask=mask, other=0)
-
-
-@triton.jit
 def _tiles(
     x_ptr, w_ptr, s_ptr, t_start, t_end, out_cols, cols, N, K, shift,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
@@ -150,12 +133,11 @@ def _tiles(
     branch)."""
     ROWS: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, ROWS)
-    words = _words(w_ptr, t_start, t_end, offs_r, cols, N, K, ROWS)
+    words = load_words(w_ptr, t_start, t_end, offs_r, cols, N, K, ROWS, 8)
     shape: tl.constexpr = words.shape
-    mask_c = cols < N
     acc = tl.zeros(shape, tl.float32)
     for t in range(t_start, t_end):
-        nxt = _words(w_ptr, t + 1, t_end, offs_r, cols, N, K, ROWS)  # issued before this tile's math
+        nxt = load_words(w_ptr, t + 1, t_end, offs_r, cols, N, K, ROWS, 8)  # issued before this tile's math
         rows = t * ROWS + offs_r
         mask_r = rows < K // 8
         # activations 8 r .. 8 r + 7 as four int32 pairs (2 r, 2 r + 1) .. (8 r + 6, 8 r + 7), then (j, j + 4)
@@ -164,23 +146,14 @@ def _tiles(
         v23 = f16_pair_shifted(tl.load(xb + 1, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
         v45 = f16_pair_shifted(tl.load(xb + 2, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
         v67 = f16_pair_shifted(tl.load(xb + 3, mask=mask_r, other=0), shift, BF16, ASM, SCALED)
-        p0 = tl.broadcast_to(_lead(halves(v01, v45, False), cols), shape)
-        p1 = tl.broadcast_to(_lead(halves(v01, v45, True), cols), shape)
-        p2 = tl.broadcast_to(_lead(halves(v23, v67, False), cols), shape)
-        p3 = tl.broadcast_to(_lead(halves(v23, v67, True), cols), shape)
+        p0 = tl.broadcast_to(lead(halves(v01, v45, False), cols), shape)
+        p1 = tl.broadcast_to(lead(halves(v01, v45, True), cols), shape)
+        p2 = tl.broadcast_to(lead(halves(v23, v67, False), cols), shape)
+        p3 = tl.broadcast_to(lead(halves(v23, v67, True), cols), shape)
         if GROUP_SIZE <= 0:
             s = tl.full(shape, 1.0, tl.float32)
-        elif GROUP_SIZE % BLOCK_K == 0:  # one scale row per tile, loaded so as to take the words' layout
-            row_s = s_ptr + (t * BLOCK_K // GROUP_SIZE) * N
-            if len(cols.shape) == 3:  # at the words' shape in 4-wide runs
-                s_cols = tl.max_contiguous(cols + 0 * _lead(offs_r, cols), [1, 1, 4])
-                s = tl.load(row_s + s_cols, mask=mask_c, other=0.0).to(tl.float32)
-            else:  # one row, broadcast
-                s = tl.load(row_s + out_cols, mask=out_cols < N, other=0.0).to(tl.float32)[None, :]
-            s = tl.broadcast_to(s, shape)
         else:
-            g = _lead(rows * 8 // GROUP_SIZE, cols)
-            s = tl.load(s_ptr + g * N + cols, mask=_lead(mask_r, cols) & mask_c, other=0.0).to(tl.float32)
+            s = tl.broadcast_to(tile_scales(s_ptr, t, rows, mask_r, out_cols, cols, N, GROUP_SIZE, BLOCK_K, 8), shape)
         acc = word_dot(words, p0, p1, p2, p3, s, acc, ASM)
         words = nxt
     return acc
