@@ -21,12 +21,13 @@ C chained), which are then scaled by the group's column scales into the output a
 the MMA is the ``.bf16`` one: the codes enter as bf16 ``code - 8`` (masked into the mantissa of 128.0, then 136
 subtracted; a shift per pair of codes) and the activations as they are, exactly, whatever their magnitude. With fp16
 activations the codes enter as ``(code - 8) / 32``, exact in fp16. NVFP4 (``FP4``: ``[N, K / 8]`` words, FP8
-scales per 16 inputs): the block scale multiplies each pair before the MMA (``e2m1 * scale * 2**-14``, as in the
-one-row kernel, exact unless below fp16's normal range) and the global scale applies at the end. The next group's
+scales per 16 inputs): the block scale multiplies each pair before the MMA (``e2m1 * scale * 2**-14``, exact
+unless below fp16's normal range; the one-row kernel instead applies it once per block in fp32, which the MMA's
+mixing of four words per step does not allow) and the global scale applies at the end. The next group's
 (or 128 inputs') words are loaded while this one's are multiplied (2 tiles: 16 words per thread in flight).
 
-Products and sums are fp32 in the tensor core. NVFP4 with bf16 activations rounds them to fp16 (as the one-row
-kernel does: exact for magnitudes between 2**-14 and 65504). Split-K as the other kernels (``split_k.py``).
+Products and sums are fp32 in the tensor core. NVFP4 with bf16 activations rounds them to fp16 (exact for
+magnitudes between 2**-14 and 65504). Split-K as the other kernels (``split_k.py``).
 
 Under the Triton interpreter the PTX does not run: each thread is the tensor element of its index and the MMA is
 emulated on the same registers (``emulated_mma``: the fragments of the PTX ISA, gathered per warp and multiplied in

@@ -6,7 +6,7 @@ Kernels:
   operand, the activations the right one), with split-K. With ``BLOCK_M = 16`` it is the decode path
   (M <= 16); with larger tiles the prefill path.
 * ``nvfp4_paired_gemv_kernel`` (``paired_gemv``): split-K GEMV on paired fp16 arithmetic, the default for one
-  fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_SPLITS``).
+  fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_TUNED``).
 * ``_nvfp4_gemv_kernel``: CUDA-core split-K GEMV, one activation row per program (used for M <= GEMV_MAX_M,
   0 by default, or when a config asks for it).
 * ``_nvfp4_dequant_kernel``: the ``[N, K]`` weight in the activation dtype, for ``F.linear`` at large M.
@@ -74,14 +74,23 @@ GEMV_MAX_M = 0
 but one fp16/bf16 row, which takes the paired GEMV; its loop compiles to fewer instructions per weight for
 sm_90)."""
 
-PAIRED_TILE = (128, 256)
-"""``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row: within
-8% of the fastest of 9 tiles x 3 split counts at every SALA shape in ``benchmarks/kernels_nvfp4.py --ms 1
---sweep`` on an H200 (gate_up 38.0 us, best 37.7; 128 x 128 and 256 x 64 tiles 15-25% slower on gate_up, down and
-qkv: 256 inputs make 128-byte runs of each row)."""
-PAIRED_SPLITS: dict[tuple[int, int, int], int] = {(9, 4096, 32768): 4}
-"""Split-K of the paired GEMV keyed by ``(compute capability major, K, N)`` where the sweep beat the default split
-(gate_up: 38.0 us at 4 splits against 42.1 at 2); elsewhere the default (at most 4 programs per SM)."""
+PAIRED_TILE = (32, 512)
+"""``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row, with 4
+warps and the next K tile prefetched (``PAIRED_PREFETCH``): the fastest of 9 tiles x 5 split counts x prefetch on
+gate_up and lightning qkv and within 1.1 us of it on down and o_proj in ``benchmarks/nvfp4_paired.py --sweep`` on
+an H200 (gate_up 29.6 us at 1 split; the 128 x 256 tile without prefetch 30.3 at its best split; 96 registers,
+against 128 for that tile)."""
+PAIRED_PREFETCH = True
+PAIRED_PROGRAMS_PER_SM = 4
+"""``default_config`` splits K into the most pieces (a power of two) whose programs number at most this many per SM
+(and fit in one wave): in the same sweep that was the fastest split at every shape for ``PAIRED_TILE``."""
+PAIRED_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {
+    (9, 16384, 4096): (64, 512, 4, 8, False),
+    (9, 4096, 4096): (32, 1024, 4, 1, True),
+}
+"""``(block_n, block_k, warps, split_k, prefetch)`` of the paired GEMV keyed by ``(compute capability major, K, N)``
+where a sweep found a faster launch than the default on an H200: down 17.5-17.6 us against 18.5-18.6, o_proj 6.2
+against 7.2 (1024-input tiles, one split: 128 programs)."""
 
 _TILE_SHIFT: tl.constexpr = tl.constexpr(2.0**7)
 """The half tile holds ``W / (weight_scale_2 * _TILE_SHIFT)``."""
@@ -351,6 +360,8 @@ class NVFP4Config:
     num_stages: int = 3
     maxnreg: int | None = None
     """Registers per thread the compiler may use (ptxas ``.maxnreg``; ``None``: its own choice)."""
+    prefetch: bool = False
+    """``"paired"`` only: request the next K tile's words and scales before this one's math."""
 
     def __post_init__(self) -> None:
         if self.kernel not in ("dot", "gemv", "paired"):
@@ -379,9 +390,9 @@ def _pick_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
 
 
 def _paired_wave(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: torch.dtype) -> int:
-    """Programs of the paired GEMV the device runs at once (4 per SM off the GPU). Its sm_90 build holds 168
-    registers per thread, so an H200 runs 3 programs per SM: splits that made more (down and o_proj: 16 splits of
-    32 column tiles, 512 programs, 26.0 and 10.0 us) ran a second wave that 8 splits avoid (23.3 and 7.8 us;
+    """Programs of the default paired GEMV launch the device runs at once (4 per SM off the GPU): a split whose
+    programs outnumber them runs a second wave (with the 168-register build of an earlier version, 16 splits of
+    down and o_proj made 512 programs for 396 places: 26.0 and 10.0 us against 23.3 and 7.8 at 8 splits;
     ``benchmarks/rows_waves.py``)."""
     if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return 4 * _programs_target(dev)
@@ -390,8 +401,8 @@ def _paired_wave(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: tor
 
 @functools.cache
 def _paired_resident(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: torch.dtype, asm: bool) -> int:
-    """``resident_programs`` of the paired GEMV's launch, once per shape, tile, device and dtype (its meta is built
-    and sorted once, not on every call of ``default_config``)."""
+    """``resident_programs`` of the default paired GEMV launch, once per shape, tile, device and dtype (its meta is
+    built and sorted once, not on every call of ``default_config``)."""
     meta = {
         "BLOCK_N": bn,
         "BLOCK_B": bk // 16,
@@ -399,6 +410,7 @@ def _paired_resident(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype:
         "BF16": dtype == torch.bfloat16,
         "ASM": asm,
         "EVEN": n % bn == 0 and k % bk == 0,
+        "PREFETCH": PAIRED_PREFETCH,
         "num_warps": 4,
         "num_stages": 1,
     }
@@ -406,13 +418,29 @@ def _paired_resident(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype:
     return resident_programs(nvfp4_paired_gemv_kernel, args, meta, dev)
 
 
+def _paired_config(n: int, k: int, dev: torch.device, dtype: torch.dtype) -> NVFP4Config:
+    """The paired GEMV's launch for one row: ``PAIRED_TUNED`` where the GPU and shape have an entry, else
+    ``PAIRED_TILE`` split to at most ``PAIRED_PROGRAMS_PER_SM`` programs per SM within one wave."""
+    if dev.type == "cuda":
+        tuned = PAIRED_TUNED.get((_cuda_facts(dev)[1], k, n))
+        if tuned is not None:
+            bn, bk, warps, split, prefetch = tuned
+            return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1,
+                               prefetch=prefetch)  # fmt: skip
+    bn, bk = PAIRED_TILE
+    target = min(PAIRED_PROGRAMS_PER_SM * _programs_target(dev), _paired_wave(n, k, bn, bk, dev, dtype))
+    split = _pick_split(cdiv(n, bn), cdiv(k, bk), target, 1)
+    return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1,
+                       prefetch=PAIRED_PREFETCH)  # fmt: skip
+
+
 def default_config(
     m: int, n: int, k: int, device: torch.device | str = "cuda", dtype: torch.dtype | None = None
 ) -> NVFP4Config:
     """Launch configuration used when none is given (``dtype``: the activations').
 
-    One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (128 rows x 256 inputs), 4 warps, split-K up to
-    the programs the GPU holds at once (``PAIRED_SPLITS`` where tuned).
+    One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (32 rows x 512 inputs), 4 warps, the next tile
+    prefetched, split-K up to 4 programs per SM in one wave (``PAIRED_TUNED`` where tuned).
 
     Decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
     3.6) to about 5 instructions per weight with 92 registers, so 5 programs share an SM and their loads
@@ -423,11 +451,7 @@ def default_config(
     dev = torch.device(device)
     sms = _programs_target(dev)
     if m == 1 and dtype in (torch.float16, torch.bfloat16):
-        bn, bk = PAIRED_TILE
-        split = _pick_split(cdiv(n, bn), cdiv(k, bk), _paired_wave(n, k, bn, bk, dev, dtype), 1)
-        if dev.type == "cuda":
-            split = PAIRED_SPLITS.get((_cuda_facts(dev)[1], k, n), split)
-        return NVFP4Config("paired", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
+        return _paired_config(n, k, dev, dtype)
     if m <= GEMV_MAX_M:
         bn, bk = 32, 256
         split = _pick_split(m * cdiv(n, bn), cdiv(k, bk), 4 * sms, 2)
@@ -516,8 +540,8 @@ def nvfp4_matmul_triton(
         nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](
             x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
             BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
-            EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            maxnreg=cfg.maxnreg,
+            EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     elif cfg.kernel == "gemv":
         if m > 65535:
