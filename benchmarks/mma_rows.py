@@ -67,7 +67,16 @@ def _nvfp4(k: int, n: int, gen: torch.Generator):
     return dense, w32, library, mma
 
 
-def bench(fmt: str, name: str, k: int, n: int, ms: list[int], rep: int) -> list[dict]:
+def bench(
+    fmt: str,
+    name: str,
+    k: int,
+    n: int,
+    ms: list[int],
+    rep: int,
+    launches_: list[tuple[int, int]] = LAUNCHES,
+    splits: tuple[int | None, ...] = SPLITS,
+) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     dense, w32, library, mma = (_gptq if fmt == "gptq" else _nvfp4)(k, n, gen)
     rows = []
@@ -86,7 +95,7 @@ def bench(fmt: str, name: str, k: int, n: int, ms: list[int], rep: int) -> list[
         row["mma_err"] = rel(ptx)
         row["mma_vs_emulation_max_rel"] = float((ptx.float() - emulated.float()).abs().max() / exact.abs().max())
         launches = {}
-        for (tiles, warps), split in ((lw, s) for lw in LAUNCHES for s in SPLITS):
+        for (tiles, warps), split in ((lw, s) for lw in launches_ for s in splits):
             label = f"t{tiles}_w{warps}_s{split}"
             run: Callable[[int], torch.Tensor] = lambda i, x=x, t=tiles, w=warps, s=split: mma(  # noqa: E731
                 x, i, tiles=t, num_warps=w, split_k=s
@@ -121,12 +130,16 @@ def main() -> None:
     ap.add_argument("--formats", nargs="*", default=["gptq", "nvfp4"], choices=["gptq", "nvfp4"])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--ms", nargs="*", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--launches", nargs="*", default=None, help="only these, as TILESxWARPS (default: LAUNCHES)")
+    ap.add_argument("--splits", nargs="*", default=None, help="split counts, 'default' for the heuristic's")
     args = ap.parse_args()
+    launches = LAUNCHES if args.launches is None else [tuple(int(v) for v in t.split("x")) for t in args.launches]
+    splits = SPLITS if args.splits is None else tuple(None if v == "default" else int(v) for v in args.splits)
     rows = []
     for fmt in args.formats:
         for name in args.shapes:
             k, n = SHAPES[name]
-            rows += bench(fmt, name, k, n, args.ms, args.rep)
+            rows += bench(fmt, name, k, n, args.ms, args.rep, launches, splits)
             # written after every shape, so a run cut short still returns what it measured
             write_results(args.out, "mma_rows.json", {"device": torch.cuda.get_device_name(), "rows": rows})
 
