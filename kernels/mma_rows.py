@@ -26,8 +26,11 @@ unless below fp16's normal range; the one-row kernel instead applies it once per
 mixing of four words per step does not allow) and the global scale applies at the end. The next group's
 (or 128 inputs') words are loaded while this one's are multiplied (2 tiles: 16 words per thread in flight).
 
-Products and sums are fp32 in the tensor core. NVFP4 with bf16 activations rounds them to fp16 (exact for
-magnitudes between 2**-14 and 65504). Split-K as the other kernels (``split_k.py``).
+Products and sums are fp32 in the tensor core. NVFP4 with bf16 activations rounds them to fp16: each program reads
+its K slice's largest activation (over all rows) first and converts the activations times ``2**-e``, the smallest
+power of two that brings them below 32768, scaling its sums back (``e = 0`` for activations in fp16's range, whose
+conversion is then exact for magnitudes from 2**-14 on), so activations of any magnitude are safe. Split-K as the
+other kernels (``split_k.py``).
 
 Under the Triton interpreter the PTX does not run: each thread is the tensor element of its index and the MMA is
 emulated on the same registers (``emulated_mma``: the fragments of the PTX ISA, gathered per warp and multiplied in
@@ -41,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
-from .paired_f16 import emulated_fma2, f16_pair, half, halves, i32
+from .paired_f16 import RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, max_exponent, pow2
 from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 from .w4a16.split_k import finish_split_k
 
@@ -306,10 +309,12 @@ def _round(
 
 @triton.jit
 def _pairs(
-    x_ptr, row, wrow, M, stride_xm, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr, X_EVICT: tl.constexpr
-):
+    x_ptr, row, wrow, M, stride_xm, shift, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr,
+    X_EVICT: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
     """The pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow`` (per
-    thread; zeros for rows past ``M``): fp16, or with ``RAW`` in the activations' own 16-bit type."""
+    thread; zeros for rows past ``M``): fp16 (times ``2**-shift`` when ``SCALED``), or with ``RAW`` in the
+    activations' own 16-bit type."""
     ok = row < M
     xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
     # the word row's eight activations as one 16-byte load per thread ([threads, 4] int32, a row per thread)
@@ -318,8 +323,8 @@ def _pairs(
     v01, v45 = tl.split(even)
     v23, v67 = tl.split(odd)
     if not RAW:
-        v01, v23 = f16_pair(v01, BF16, ASM), f16_pair(v23, BF16, ASM)
-        v45, v67 = f16_pair(v45, BF16, ASM), f16_pair(v67, BF16, ASM)
+        v01, v23 = f16_pair_shifted(v01, shift, BF16, ASM, SCALED), f16_pair_shifted(v23, shift, BF16, ASM, SCALED)
+        v45, v67 = f16_pair_shifted(v45, shift, BF16, ASM, SCALED), f16_pair_shifted(v67, shift, BF16, ASM, SCALED)
     return halves(v01, v45, False), halves(v01, v45, True), halves(v23, v67, False), halves(v23, v67, True)
 
 
@@ -413,6 +418,14 @@ def mma_rows_kernel(
     g_start = tl.program_id(1) * per
     g_end = tl.minimum(g_start + per, n_groups)
 
+    SCALED: tl.constexpr = FP4 and BF16  # bf16 rounded to fp16: scaled into its range first
+    shift = 0
+    if SCALED:  # the smallest 2**shift that brings the split's activations (all rows) below 32768
+        top = max_exponent(x_ptr, g_start * GS, g_end * GS, RANGE_CHUNK)
+        for m in range(1, M):
+            top = tl.maximum(top, max_exponent(x_ptr + m * stride_xm, g_start * GS, g_end * GS, RANGE_CHUNK))
+        shift = tl.maximum(top - 14, 0)
+
     acc = _zeros(NACC * TILES, WARPS)
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1
     loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
@@ -425,9 +438,9 @@ def mma_rows_kernel(
             part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
-            p = _pairs(x_ptr, g, wrow, M, stride_xm, BF16, MMA_BF16, ASM, X_EVICT)
+            p = _pairs(x_ptr, g, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, X_EVICT, SCALED)
             if TWO:  # noqa: SIM108 (a constexpr branch)
-                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, BF16, MMA_BF16, ASM, X_EVICT)
+                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, X_EVICT, SCALED)
             else:
                 qp = p
             new = ()
@@ -468,7 +481,9 @@ def mma_rows_kernel(
 
     # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
     n_split = tl.num_programs(1)
-    if FP4:
+    if SCALED:
+        out_scale = tl.load(gs_ptr) * OUT_SHIFT * pow2(shift)
+    elif FP4:
         out_scale = tl.load(gs_ptr) * OUT_SHIFT
     elif MMA_BF16:
         out_scale = 1.0

@@ -241,6 +241,48 @@ def test_nvfp4_mma_rows_refuses_what_it_cannot_run() -> None:
         nk.nvfp4_mma_rows(x96, weight96, scale96, s296)
 
 
+def test_nvfp4_mma_rows_scales_bf16_activations_past_fp16_range() -> None:
+    """NVFP4 rounds bf16 activations to fp16 for the MMA: a split whose activations (any row) reach 32768 converts
+    them times a power of two and scales its sums back, so values of 3e5 next to 1e-6 in some rows give finite
+    outputs within the bound; the other split, in range, is converted as it is."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    seed = _seed()
+    x, weight, scale, s2 = _nvfp4_operands(seed, 5, 256, 48, torch.bfloat16)
+    x = x.float()
+    x[1:3, :128] *= torch.tensor([3e5, 1e-6]).repeat(64)  # alternately huge and tiny, rows 1-2, first split only
+    x = x.to(torch.bfloat16)
+    y = nk.nvfp4_mma_rows(x, weight, scale, s2, split_k=2, tiles=1, num_warps=2)
+    assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
+    _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} huge bf16 activations")
+
+
+def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
+    """``NVFP4Config("rows")`` runs the row kernel through ``nvfp4_matmul_triton`` (within the bound, the split-K
+    workspace poisoned); ``default_config`` picks it for 2 to ``ROWS_MAX_M`` fp16/bf16 rows of weights with at
+    least ``ROWS_MIN_N`` outputs only."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    seed = _seed()
+    x, weight, scale, s2 = _nvfp4_operands(seed, 3, 384, 80, torch.float16)
+    cfg = nk.NVFP4Config("rows", block_n=64, split_k=2, num_warps=2, num_stages=1)
+    out = torch.full((3, 80), float("nan"), dtype=torch.float16)
+    y = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg, out=out)
+    assert y is out
+    _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} rows config")
+    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+        nk.nvfp4_matmul_triton(x.float(), weight, scale, s2, config=cfg)
+    for m, n, k, dtype, kernel in (
+        (2, 32768, 4096, torch.bfloat16, "rows"),  # gate_up
+        (2, 12288, 4096, torch.float16, "rows"),  # lightning qkv
+        (3, 32768, 4096, torch.bfloat16, "dot"),  # past ROWS_MAX_M
+        (2, 4096, 16384, torch.bfloat16, "dot"),  # down: below ROWS_MIN_N
+        (2, 32768, 4096, torch.float32, "dot"),
+        (1, 32768, 4096, torch.bfloat16, "paired"),
+    ):
+        assert nk.default_config(m, n, k, "cpu", dtype).kernel == kernel, (m, n, k, dtype)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])

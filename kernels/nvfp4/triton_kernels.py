@@ -7,6 +7,8 @@ Kernels:
   (M <= 16); with larger tiles the prefill path.
 * ``nvfp4_paired_gemv_kernel`` (``paired_gemv``): split-K GEMV on paired fp16 arithmetic, the default for one
   fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_TUNED``).
+* ``mma_rows_kernel`` (``kernels/mma_rows.py``, ``nvfp4_mma_rows``): ``mma.sync`` from registers for 1 to 16 fp16/bf16
+  rows, the default for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
 * ``_nvfp4_gemv_kernel``: CUDA-core split-K GEMV, one activation row per program (used for M <= GEMV_MAX_M,
   0 by default, or when a config asks for it).
 * ``_nvfp4_dequant_kernel``: the ``[N, K]`` weight in the activation dtype, for ``F.linear`` at large M.
@@ -62,6 +64,8 @@ from .split_k import finish, k_range
 
 __all__ = [
     "GEMV_MAX_M",
+    "ROWS_MAX_M",
+    "ROWS_MIN_N",
     "NVFP4Config",
     "default_config",
     "nvfp4_dequantize_triton",
@@ -73,6 +77,15 @@ GEMV_MAX_M = 0
 """Largest M for which ``default_config`` picks the CUDA-core GEMV kernel (0: the tensor-core kernel for every M
 but one fp16/bf16 row, which takes the paired GEMV; its loop compiles to fewer instructions per weight for
 sm_90)."""
+
+ROWS_MAX_M = 2
+"""Largest M (from 2) for which ``default_config`` picks the ``mma.sync`` row kernel (``nvfp4_mma_rows``) for at least
+``ROWS_MIN_N`` outputs. On an H200 at 2 rows it took gate_up 50.8 us against 58.2 for the tensor-core kernel and
+lightning qkv 24.2 against 27.7, down 32.8 against 32.9 (``benchmarks/kernels_nvfp4.py --ms 2,8`` after, and
+``benchmarks/mma_rows.py --formats nvfp4`` before, its range read); at 8 rows, where that read makes one pass per
+row, gate_up 56.9 against 58.5 and down 36.5 against 33.4."""
+ROWS_MIN_N = 8192
+"""Fewest outputs for which ``default_config`` picks the row kernel (down and o_proj, 4096, gain nothing or lose)."""
 
 PAIRED_TILE = (32, 512)
 """``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row, with 4
@@ -344,8 +357,10 @@ class NVFP4Config:
     """Launch configuration of ``nvfp4_matmul_triton``."""
 
     kernel: str = "dot"
-    """``"dot"`` (tensor cores, any M), ``"gemv"`` (CUDA cores, one activation row per program) or ``"paired"``
-    (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16 activation row)."""
+    """``"dot"`` (tensor cores, any M), ``"gemv"`` (CUDA cores, one activation row per program), ``"paired"``
+    (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16 activation row) or ``"rows"`` (``mma.sync`` from
+    registers, ``nvfp4_mma_rows``: 1 to 16 fp16/bf16 rows, K a multiple of 128; ``block_n`` = 16 x column tiles per
+    warp x ``num_warps``)."""
     block_m: int = 16
     """Activation rows per tile (``"dot"`` only; >= 16)."""
     block_n: int = 64
@@ -364,8 +379,8 @@ class NVFP4Config:
     """``"paired"`` only: request the next K tile's words and scales before this one's math."""
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("dot", "gemv", "paired"):
-            raise ValueError(f"kernel must be 'dot', 'gemv' or 'paired', got {self.kernel!r}")
+        if self.kernel not in ("dot", "gemv", "paired", "rows"):
+            raise ValueError(f"kernel must be 'dot', 'gemv', 'paired' or 'rows', got {self.kernel!r}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -442,7 +457,10 @@ def default_config(
     One fp16 or bf16 row: the paired-fp16 GEMV, ``PAIRED_TILE`` (32 rows x 512 inputs), 4 warps, the next tile
     prefetched, split-K up to 4 programs per SM in one wave (``PAIRED_TUNED`` where tuned).
 
-    Decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
+    2 to ``ROWS_MAX_M`` fp16/bf16 rows of a weight with at least ``ROWS_MIN_N`` outputs (K a multiple of 128): the
+    ``mma.sync`` row kernel, ``MMA_ROWS_CONFIG``, split to at most 4 programs per SM.
+
+    Other decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
     3.6) to about 5 instructions per weight with 92 registers, so 5 programs share an SM and their loads
     overlap; split-K up to 4 programs per SM. Prefill: 64-, 128- or 256-row tiles (more rows per dequantized
     weight tile), 8 warps, 3 stages, split-K up to one program per SM. These are starting points, to be tuned
@@ -452,6 +470,10 @@ def default_config(
     sms = _programs_target(dev)
     if m == 1 and dtype in (torch.float16, torch.bfloat16):
         return _paired_config(n, k, dev, dtype)
+    if 2 <= m <= ROWS_MAX_M and dtype in (torch.float16, torch.bfloat16) and k % 128 == 0 and n >= ROWS_MIN_N:
+        bn = 16 * MMA_ROWS_CONFIG["tiles"] * MMA_ROWS_CONFIG["num_warps"]
+        split = _rows_split(n, k, bn, dev)
+        return NVFP4Config("rows", block_n=bn, split_k=split, num_warps=MMA_ROWS_CONFIG["num_warps"], num_stages=1)
     if m <= GEMV_MAX_M:
         bn, bk = 32, 256
         split = _pick_split(m * cdiv(n, bn), cdiv(k, bk), 4 * sms, 2)
@@ -523,6 +545,11 @@ def nvfp4_matmul_triton(
         raise ValueError("the NVFP4 kernels use 32-bit offsets; the activations are too large")
     cfg = config or default_config(m, n, k, x.device, x.dtype)
     out2 = out.view(m, n)
+    if cfg.kernel == "rows":
+        _check_rows(x2, k)
+        tiles = cfg.block_n // (16 * cfg.num_warps)
+        _launch_rows(x2, w, s, gs, out2, n, k, cfg.split_k, tiles, cfg.num_warps, _EMULATE_PAIRED)
+        return out
     split = cfg.split_k
     if split > 1:
         if split * m * n >= 2**31:
@@ -585,37 +612,59 @@ def nvfp4_mma_rows(
     emulate: bool = False,
 ) -> torch.Tensor:
     """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``kernels/mma_rows.py``): 1 to 16 fp16/bf16
-    rows whose magnitude fits fp16, K a multiple of 128. Not chosen by ``nvfp4_matmul_triton``: on an H200 it gained
-    at most 1.18x over the current path at 2 rows and lost at 1 and 16 on down (``benchmarks/mma_rows.py``), and it
-    would add the fp16 range limit to bf16 activations. ``split_k`` overrides the split count (splits of 128
-    inputs); ``emulate`` runs the interpreter's emulation of the PTX on a GPU too."""
+    rows (bf16 of any magnitude: scaled into fp16's range per split where needed), K a multiple of 128.
+    ``nvfp4_matmul_triton`` takes it for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
+    ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's emulation of
+    the PTX on a GPU too."""
     _check_device(x)
     n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
-    if x.dim() != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= 16 or x.dtype not in (torch.float16, torch.bfloat16):
+    if x.dim() != 2:
         raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
-    if k % 128:
-        raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
-    block_n = check_launch(tiles, num_warps)
+    _check_rows(x, k)
+    check_launch(tiles, num_warps)
     x = pair_aligned(x)
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
-    n_tiles = cdiv(n, block_n)
     if split_k is None:
-        split_k = _pick_split(n_tiles, k // 128, _programs_target(x.device) * 4, 1)
+        split_k = _rows_split(n, k, 16 * tiles * num_warps, x.device)
+    _launch_rows(x, w, s, gs, out, n, k, split_k, tiles, num_warps, emulate)
+    return out
+
+
+def _check_rows(x: torch.Tensor, k: int) -> None:
+    """``ValueError`` unless ``x [M, K]`` is 1 to 16 fp16/bf16 rows and K a multiple of 128 (the row kernel's
+    operands)."""
+    if x.shape[-1] != k or not 1 <= x.shape[0] <= 16 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
+    if k % 128:
+        raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
+
+
+def _rows_split(n: int, k: int, block_n: int, device: torch.device) -> int:
+    """The row kernel's default split: the largest power of two with at most 4 programs per SM."""
+    return _pick_split(cdiv(n, block_n), k // 128, _programs_target(device) * 4, 1)
+
+
+def _launch_rows(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, gs: torch.Tensor, out: torch.Tensor, n: int, k: int,
+    split_k: int, tiles: int, num_warps: int, emulate: bool,
+) -> None:  # fmt: skip
+    """Run ``mma_rows_kernel`` on prepared operands (``_prepare``; ``x [M, K]`` and ``out [M, N]`` checked)."""
+    m = x.shape[0]
+    n_tiles = cdiv(n, check_launch(tiles, num_warps))
     split = max(1, min(int(split_k), k // 128))
     split = cdiv(k // 128, cdiv(k // 128, split))  # no empty split
     ws = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or _POISON_WORKSPACE:
         ws.fill_(float("nan"))  # a read of an unwritten partial shows in the result
     mma_rows_kernel[(n_tiles, split)](
         x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0),
         GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=m > 8, FP4=True, BF16=x.dtype == torch.bfloat16,
         ASM=not emulate and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps, num_stages=1,
     )  # fmt: skip
-    return out
 
 
 def nvfp4_dequantize_triton(
