@@ -91,10 +91,11 @@ def test_paired_scales_bf16_activations_past_fp16_range(tk) -> None:
 @needs_triton
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 def test_paired_scales_small_activations_up(tk, prefetch: bool) -> None:
-    """Activations of order 2**-40 (bf16) and 2**-20 (fp16, normal there): unscaled, every fp16 product of a code
-    ``e2m1 * 2**-14`` with them would be zero or subnormal; scaled up per split they keep the bound. Splits of two,
-    two and no K tiles, in both launch variants."""
-    for dtype, size in ((torch.bfloat16, 2.0**-40), (torch.float16, 2.0**-20)):
+    """Activations of order 2**-40 (bf16): unscaled, every fp16 product of a code ``e2m1 * 2**-14`` with them would
+    be zero; scaled up per split they keep the bound. fp16 ones of order 2**-10 (scaled up too; smaller ones would
+    make outputs below fp16's normal range, whose rounding the relative bound does not cover). Splits of two, two and
+    no K tiles, in both launch variants."""
+    for dtype, size in ((torch.bfloat16, 2.0**-40), (torch.float16, 2.0**-10)):
         seed = _seed()
         gen = torch.Generator().manual_seed(seed)
         n, k = 32, 256

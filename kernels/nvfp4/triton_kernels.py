@@ -112,7 +112,8 @@ _BF16_SCALE_UP: tl.constexpr = tl.constexpr(2.0**119)
 _POISON_WORKSPACE = False
 """Fill the split-K workspace with NaN before each launch (for tests)."""
 _EMULATE_PAIRED = False
-"""Run the paired GEMV's interpreter emulation of its fp16 pair operations on the GPU too (for tests)."""
+"""Run the interpreter's emulation of the paired GEMV's fp16 pair operations (and of the row kernel's PTX, when a
+config picks it) on the GPU too (for tests)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
