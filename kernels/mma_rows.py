@@ -44,7 +44,17 @@ import triton
 import triton.language as tl
 
 from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
-from .paired_f16 import RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, max_exponent, pow2
+from .paired_f16 import (
+    RANGE_CHUNK,
+    emulated_fma2,
+    f16_pair_shifted,
+    fp16_shift,
+    half,
+    halves,
+    i32,
+    max_exponent,
+    pow2,
+)
 from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 from .w4a16.split_k import finish_split_k
 
@@ -424,7 +434,7 @@ def mma_rows_kernel(
         top = max_exponent(x_ptr, g_start * GS, g_end * GS, RANGE_CHUNK)
         for m in range(1, M):
             top = tl.maximum(top, max_exponent(x_ptr + m * stride_xm, g_start * GS, g_end * GS, RANGE_CHUNK))
-        shift = tl.maximum(top - 14, 0)
+        shift = fp16_shift(top)
 
     acc = _zeros(NACC * TILES, WARPS)
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1

@@ -21,6 +21,7 @@ __all__ = [
     "emulated_fma2",
     "f16_pair",
     "f16_pair_shifted",
+    "fp16_shift",
     "half",
     "halves",
     "i32",
@@ -153,7 +154,14 @@ def range_shift(x_ptr, first, last, CHUNK: tl.constexpr):
     """The smallest ``e >= 0`` with ``|x[i]| * 2**-e < 2**15`` for every ``first <= i < last`` (int32 scalar): the
     power of two that brings a program's bf16 activations into fp16 range, 0 for any activations below 32768 in
     magnitude. An infinite activation gives 114, which leaves it infinite."""
-    return tl.maximum(max_exponent(x_ptr, first, last, CHUNK) - 14, 0)
+    return fp16_shift(max_exponent(x_ptr, first, last, CHUNK))
+
+
+@triton.jit
+def fp16_shift(top):
+    """The smallest ``e >= 0`` that brings values whose largest has binary exponent ``top`` (``max_exponent``)
+    below 32768 when multiplied by ``2**-e``."""
+    return tl.maximum(top - 14, 0)
 
 
 @triton.jit
