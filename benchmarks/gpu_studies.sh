@@ -3,6 +3,8 @@
 # JSON results and one log under OUT.  Usage: bash benchmarks/gpu_studies.sh STAGE OUT
 #   rows    GPU kernel tests, then the 1-16 row MMA kernel, one-wave split and one-row GEMV anatomy studies
 #   infllm  the block-selection anatomy and the decode-step study
+#   matrix  GPU tests of the 1-16-row 4-bit matrix kernels, then their tables at 1, 2 and 16 rows (each with the
+#           launch timed with programmatic dependent launch beside it)
 set -u
 stage=$1 out=$2
 mkdir -p "$out"
@@ -26,6 +28,12 @@ case $stage in
     step 120 python -m pytest tests -n 8 -p no:cacheprovider -k "gpu and infllm"
     (cd benchmarks && step 200 python infllm_select_anatomy.py --out "$out/select_anatomy.json")
     (cd benchmarks && step 200 python infllm_decode.py --out "$out/infllm_decode.json")
+    ;;
+  matrix)
+    step 240 python -m pytest -n 8 -p no:cacheprovider -k gpu tests/test_kernels_pdl.py tests/test_kernels_mma_rows.py \
+      tests/test_kernels_w4a16_paired.py tests/test_kernels_nvfp4_paired.py
+    (cd benchmarks && step 170 python kernels_w4a16.py --out "$out/kernels_w4a16.json" --m 1 16 --rep 100)
+    (cd benchmarks && step 170 python kernels_nvfp4.py --out "$out/kernels_nvfp4.json" --ms 1,2,16)
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

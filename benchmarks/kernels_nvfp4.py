@@ -169,6 +169,9 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
         row[f"{backend}_us"], row[f"{backend}_max_rel_err"] = us, err
         if fail:
             row[f"{backend}_error"] = fail
+    if m <= 16 and row["auto_path"] == "triton":  # the same launches with programmatic dependent launch
+        fns = [lambda c=c: tk.nvfp4_matmul_triton(x, *c, pdl=True) for c in copies]
+        row["triton_pdl_us"] = _time_us(fns)
     ours = row.get(f"{row['auto_path']}_us")
     row["ours_us"] = ours
     row["speedup"] = row["cublas_us"] / ours if ours else None

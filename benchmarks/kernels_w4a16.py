@@ -104,6 +104,10 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     row["tinygemm_us"] = _time_us(tiny, rep) if tiny is not None else None
 
     alt: dict[str, float] = {}
+    if m == 1:  # the default path with programmatic dependent launch (pdl=True: each call overlaps the last)
+        alt["paired_pdl"] = _time_us(lambda i: tk.matmul_paired(x, qweight[i], scales[i], 4, GROUP, pdl=True), rep)
+    elif m <= 16:
+        alt["mma_rows_pdl"] = _time_us(lambda i: tk.matmul_mma_rows(x, qweight[i], scales[i], 4, GROUP, pdl=True), rep)
     if m == 1:
         alt["gemv"] = _time_us(lambda i: tk.matmul_gemv(x, qweight[i], scales[i], 4, GROUP), rep)
         alt["flat"] = _time_us(

@@ -68,3 +68,18 @@ def resident_programs(kernel, args: tuple, meta: dict[str, object], device: torc
         per_sm = programs_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared, limits)
         count = _RESIDENT[key] = limits[0] * per_sm
     return count
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch: a CUDA GPU of compute capability 9
+    (Hopper) or newer, outside the interpreter."""
+    return device.type == "cuda" and not INTERPRET and cuda_facts(device)[1] >= 9
+
+
+def weights_ahead(device: torch.device, pdl: bool) -> dict[str, bool]:
+    """``PDL`` and ``launch_pdl`` launch arguments of the 4-bit matrix kernels, which with ``PDL`` (programmatic
+    dependent launch, where ``pdl_capable``) load their first weights while the kernel before them still runs and
+    only then wait for it (``griddepcontrol.wait``) before reading the activations. Only for weights that the
+    kernel just before did not write (a decode step's, in a CUDA graph); run the call once eagerly with the same
+    ``pdl`` before capturing, so that the capture compiles nothing."""
+    return {"PDL": True, "launch_pdl": True} if pdl and pdl_capable(device) else {"PDL": False}

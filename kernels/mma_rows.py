@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
 from .paired_f16 import (
@@ -406,11 +407,15 @@ def mma_rows_kernel(
     ASM: tl.constexpr,
     W_CACHE: tl.constexpr = "",
     X_EVICT: tl.constexpr = "",
+    PDL: tl.constexpr = False,
 ):
     """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
     grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
     (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a multiple of it),
-    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows."""
+    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows. The first group's words are
+    loaded before the activations' range read; with ``PDL`` (programmatic dependent launch) the program loads them
+    while the kernel before it still runs, waits for that kernel before reading the activations or writing
+    anything, and lets the next kernel launch after its main loop."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
@@ -428,6 +433,11 @@ def mma_rows_kernel(
     g_start = tl.program_id(1) * per
     g_end = tl.minimum(g_start + per, n_groups)
 
+    row_end = g_end * ROUNDS * 4  # this split's last word row + 1
+    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
+    if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+        gdc_wait()
+
     SCALED: tl.constexpr = FP4 and BF16  # bf16 rounded to fp16: scaled into its range first
     shift = 0
     if SCALED:  # the smallest 2**shift that brings the split's activations (all rows) below 32768
@@ -437,8 +447,6 @@ def mma_rows_kernel(
         shift = fp16_shift(top)
 
     acc = _zeros(NACC * TILES, WARPS)
-    row_end = g_end * ROUNDS * 4  # this split's last word row + 1
-    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
     for grp in range(g_start, g_end):
         # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
         nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
@@ -489,6 +497,8 @@ def mma_rows_kernel(
                         scaled = scaled + (acc[NACC * t + i] + part[NACC * t + i] * s_h,)  # noqa: RUF005
             acc = scaled
 
+    if PDL:  # the main loop is done: the next kernel may launch
+        gdc_launch_dependents()
     # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
     n_split = tl.num_programs(1)
     if SCALED:

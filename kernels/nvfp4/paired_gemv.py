@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..paired_f16 import RANGE_CHUNK, dot_ptx, emulated_fma2, f16_pair_shifted, half, halves, i32, max_exponent, pow2
 from .split_k import finish, k_range
@@ -215,24 +216,30 @@ def nvfp4_paired_gemv_kernel(
     ASM: tl.constexpr,
     EVEN: tl.constexpr,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(cdiv(N, BLOCK_N), split_k)``, SPLIT when split_k > 1; K tiles of ``BLOCK_B`` 16-input blocks (two
     words each). ``w_ptr``: int32 words ``[N, K/8]``; ``s_ptr``: scale bytes ``[N, K/16]``. EVEN: the tiles divide N
-    and K (no masks). PREFETCH: the next tile's loads are issued before this tile's math."""
+    and K (no masks). PREFETCH: the next tile's loads are issued before this tile's math, the first tile's before
+    the activations' range read. PDL (programmatic dependent launch): the program waits for the kernel before it
+    after its first weight loads, before reading the activations, and lets the next kernel launch after its main
+    loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     split_k = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_first, k_last = k_range(pid_k, split_k, K, BLOCK_B * 16)
+    if PREFETCH:  # (an empty split, k_first >= k_last, loads the last tile and never uses it)
+        w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, tl.minimum(k_first, k_last - 1), K, BLOCK_B, EVEN)
+    if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+        gdc_wait()
     # the activations times 2**-shift: the slice's largest in [2**14, 2**15)
     top = max_exponent(x_ptr, k_first * BLOCK_B * 16, tl.minimum(k_last * BLOCK_B * 16, K), RANGE_CHUNK)
     shift = tl.minimum(tl.maximum(top - 14, -126), 114)
     offs_b = tl.arange(0, BLOCK_B)
     shape: tl.constexpr = (BLOCK_N, BLOCK_B)
     acc = tl.zeros(shape, tl.float32)
-    if PREFETCH:  # (an empty split, k_first >= k_last, loads the last tile and never uses it)
-        w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, tl.minimum(k_first, k_last - 1), K, BLOCK_B, EVEN)
     for kt in range(k_first, k_last):
         if PREFETCH:  # the last iteration reloads its own tile rather than branch
             w_next, s_next = _load_tile(w_ptr, s_ptr, offs_n, n_ok, tl.minimum(kt + 1, k_last - 1), K, BLOCK_B, EVEN)
@@ -246,6 +253,8 @@ def nvfp4_paired_gemv_kernel(
         acc = _block_dot(w_even, w_odd, e0, e1, e2, e3, o0, o1, o2, o3, scale_f32(s), acc, ASM)
         if PREFETCH:
             w, s = w_next, s_next
+    if PDL:  # the main loop is done: the next kernel may launch
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=1) * _SCALE_BIAS * pow2(shift)
     gscale = tl.load(gs_ptr) * OUT_SHIFT
     finish(y, gscale, out_ptr + offs_n, ws_ptr + offs_n, n_ok, cnt_ptr, pid_n, pid_k, N, split_k, SPLIT)

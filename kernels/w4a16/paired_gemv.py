@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
 from .split_k import finish_split_k, k_slice, lead, load_words, tile_scales
@@ -124,16 +125,15 @@ def word_dot(words, x0, x1, x2, x3, scale, acc, ASM: tl.constexpr):
 
 @triton.jit
 def _tiles(
-    x_ptr, w_ptr, s_ptr, t_start, t_end, out_cols, cols, N, K, shift,
+    x_ptr, w_ptr, s_ptr, words, t_start, t_end, out_cols, cols, N, K, shift,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """The fp32 partial sums of K tiles ``t_start .. t_end``, word rows leading: ``[ROWS, BLOCK_N]`` for ``cols``
-    ``[1, BLOCK_N]``, ``[ROWS, SUBS, SUB]`` for ``cols [1, SUBS, SUB]`` (``out_cols``: ``cols`` without its first
-    axis; activations times ``2**-shift`` when ``SCALED``; the caller picks one of the two loops with a uniform
-    branch)."""
+    ``[1, BLOCK_N]``, ``[ROWS, SUBS, SUB]`` for ``cols [1, SUBS, SUB]`` (``words``: tile ``t_start``'s, loaded by the
+    caller; ``out_cols``: ``cols`` without its first axis; activations times ``2**-shift`` when ``SCALED``; the
+    caller picks one of the two loops with a uniform branch)."""
     ROWS: tl.constexpr = BLOCK_K // 8
     offs_r = tl.arange(0, ROWS)
-    words = load_words(w_ptr, t_start, t_end, offs_r, cols, N, K, ROWS, 8)
     shape: tl.constexpr = words.shape
     acc = tl.zeros(shape, tl.float32)
     for t in range(t_start, t_end):
@@ -175,6 +175,7 @@ def paired_gemv_kernel(
     BF16: tl.constexpr,
     ASM: tl.constexpr,
     SUB: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Split-K GEMV on paired fp16 math (see the module docstring); grid ``(cdiv(N, BLOCK_N), splits)``.
 
@@ -182,6 +183,12 @@ def paired_gemv_kernel(
     sub-tiles of ``SUB`` columns, the word rows leading: Triton then gives each thread one word row of several
     sub-tiles, whose activation pairs it builds once per K tile, where the plain ``[ROWS, BLOCK_N]`` tile gives it
     several rows of one (sm_90 main loop: 374 instructions per 128 weights against 472, 80 registers against 96).
+
+    The first K tile's words are loaded before anything else, so that their latency overlaps the activations'
+    range read. ``PDL`` (programmatic dependent launch): the program loads those words while the kernel before it
+    still runs, waits for that kernel before its first read of the activations or any write, and lets the next
+    kernel launch once its main loop is done (at the start it would put the next kernel's first programs on the
+    SMs with room first, and the rest where this kernel's programs end first: an uneven spread).
     """
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     col0 = tl.program_id(0) * BLOCK_N
@@ -192,7 +199,11 @@ def paired_gemv_kernel(
         out_cols = col0 + tl.arange(0, BLOCK_N)
         cols = out_cols[None, :]
     t_start, t_end = k_slice(K, BLOCK_K)
-    args = (x_ptr, w_ptr, s_ptr, t_start, t_end, out_cols, cols, N, K)
+    ROWS: tl.constexpr = BLOCK_K // 8
+    words = load_words(w_ptr, t_start, t_end, tl.arange(0, ROWS), cols, N, K, ROWS, 8)
+    if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+        gdc_wait()
+    args = (x_ptr, w_ptr, s_ptr, words, t_start, t_end, out_cols, cols, N, K)
     if BF16:  # activations beyond fp16's range are scaled by 2**-shift, the result by 2**shift
         shift = range_shift(x_ptr, t_start * BLOCK_K, tl.minimum(t_end * BLOCK_K, K), RANGE_CHUNK)
         if shift == 0:
@@ -202,6 +213,8 @@ def paired_gemv_kernel(
         y = tl.sum(acc, axis=0) * OUT_SCALE * pow2(shift)
     else:
         y = tl.sum(_tiles(*args, 0, GROUP_SIZE, BLOCK_K, BF16, ASM, False), axis=0) * OUT_SCALE
+    if PDL:  # the main loop is done: the next kernel may start taking the places of programs that finish
+        gdc_launch_dependents()
     mask = out_cols < N
     if ONE_GROUP:
         y = y * tl.load(s_ptr + out_cols, mask=mask, other=0.0).to(tl.float32)

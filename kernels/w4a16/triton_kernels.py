@@ -55,7 +55,7 @@ from torch import Tensor
 from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
-from ..device import resident_programs
+from ..device import resident_programs, weights_ahead
 from ..host import cdiv, next_power_of_2, pair_aligned, wave_split
 from ..mma_rows import check_launch, mma_rows_kernel
 from .codes import MAGIC
@@ -277,6 +277,7 @@ def matmul_paired(
     sub: int | None = None,
     maxnreg: int | None = None,
     emulate: bool = False,
+    pdl: bool = False,
 ) -> Tensor:
     """``x [1, K] @ W^T`` with the paired-fp16 GEMV (``paired_gemv``): 4-bit codes, an fp16 or bf16 activation
     (bf16 of any magnitude: a K slice holding values past fp16's range is scaled by a power of two).
@@ -284,7 +285,7 @@ def matmul_paired(
     ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``sub`` the
     column sub-tile width (0: the plain tile; default ``PAIRED_SUB`` of this GPU and shape); ``maxnreg`` caps the
     registers per thread (ptxas); ``emulate`` runs the interpreter's emulation of the paired operations on a GPU
-    too, to check the PTX against it.
+    too, to check the PTX against it; ``pdl`` turns on programmatic dependent launch (``weights_ahead``).
     """
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     if not _paired_takes(x, bits):
@@ -296,25 +297,19 @@ def matmul_paired(
         raise ValueError(f"sub must be 0 or a power of two of at least 4 that divides block_n={block_n}, got {sub}")
     y = _output(out, 1, n, x)
     grid, part, cnt = _fixed_split_k(x, 1, n, k, block_n, block_k, split_k, _PAIRED_MIN_TILES)
-    paired_gemv_kernel[grid](
-        x,
-        qweight,
-        scales,
-        y,
-        part,
-        cnt,
-        n,
-        k,
-        GROUP_SIZE=gs,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        BF16=x.dtype == torch.bfloat16,
-        ASM=not (_INTERPRET or emulate),
-        SUB=sub,
-        num_warps=num_warps,
-        num_stages=1,
-        maxnreg=maxnreg,
-    )
+    args = (x, qweight, scales, y, part, cnt, n, k)
+    meta = {
+        "GROUP_SIZE": gs,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "BF16": x.dtype == torch.bfloat16,
+        "ASM": not (_INTERPRET or emulate),
+        "SUB": sub,
+        "num_warps": num_warps,
+        "num_stages": 1,
+        "maxnreg": maxnreg,
+    }
+    paired_gemv_kernel[grid](*args, **meta, **weights_ahead(x.device, pdl))
     return y
 
 
@@ -378,13 +373,14 @@ def matmul_mma_rows(
     weight_cache: str = "",
     x_evict: str = "",
     emulate: bool = False,
+    pdl: bool = False,
 ) -> Tensor:
     """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
     (any magnitude: bf16 MMA) or fp16 ones, groups of a multiple of 32 dividing K (or one group, K a multiple of
     128). ``split_k`` overrides the split heuristic (splits of whole groups); ``maxnreg`` caps the registers per
     thread (ptxas); ``weight_cache`` is the weight loads' cache modifier (``".cg"``: not kept in L1) and ``x_evict``
     the activation loads' eviction policy; ``emulate`` runs the interpreter's emulation of the PTX on a GPU too, to
-    check the PTX against it."""
+    check the PTX against it; ``pdl`` the programmatic dependent launch (``weights_ahead``)."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
@@ -415,7 +411,8 @@ def matmul_mma_rows(
         split_k, meta["maxnreg"] = _mma_rows_wave(args, meta, cdiv(n, block_n), k // group, x.device)
     # splits of whole groups: the group is the K tile
     grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, group, split_k, 1)
-    mma_rows_kernel[grid](x, qweight, scales, scales, y, part, cnt, m, n, k, x.stride(0), y.stride(0), **meta)
+    args = (x, qweight, scales, scales, y, part, cnt, m, n, k, x.stride(0), y.stride(0))
+    mma_rows_kernel[grid](*args, **meta, **weights_ahead(x.device, pdl))
     return y
 
 

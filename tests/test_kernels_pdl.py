@@ -1,0 +1,80 @@
+"""Programmatic dependent launch of the 4-bit matrix kernels (opt-in, ``pdl=True``): when the launch takes it, and
+on a GPU that a chain of kernels, each reading the previous one's output, gives the same bits with it as without,
+eagerly and captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from salaquant.kernels import device as dev
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.mark.parametrize(("pdl", "capable", "on"), [(True, True, True), (False, True, False), (True, False, False)])
+def test_weights_ahead(monkeypatch: pytest.MonkeyPatch, pdl: bool, capable: bool, on: bool) -> None:
+    monkeypatch.setattr(dev, "pdl_capable", lambda device: capable)
+    got = dev.weights_ahead(torch.device("cuda"), pdl)
+    assert got == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+
+
+def test_no_pdl_on_cpu() -> None:
+    assert not dev.pdl_capable(torch.device("cpu"))
+    assert dev.weights_ahead(torch.device("cpu"), True) == {"PDL": False}
+
+
+def _gptq(gen: torch.Generator, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(k // 128, n, generator=gen) * 0.004 + 0.001).half()
+    return qweight.cuda(), scales.cuda()
+
+
+def _nvfp4(gen: torch.Generator, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    weight = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(0x20, 0x38, (n, k // 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return weight.cuda(), scale.view(torch.float8_e4m3fn).cuda(), torch.tensor(0.01, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize(("fmt", "m"), [("gptq", 1), ("gptq", 4), ("gptq", 12), ("nvfp4", 1), ("nvfp4", 2)])
+def test_gpu_pdl_chain(fmt: str, m: int) -> None:
+    """Three square layers, each fed the previous output: with PDL, eagerly and replayed from a CUDA graph, the
+    same bits as without."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+    from salaquant.kernels.w4a16 import triton_kernels as wk
+
+    if not dev.pdl_capable(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    k = 4096
+    gen = torch.Generator().manual_seed(m)
+    if fmt == "gptq":
+        layers = [_gptq(gen, k, k) for _ in range(3)]
+
+        def layer(x: torch.Tensor, w: tuple, pdl: bool) -> torch.Tensor:
+            if m == 1:
+                return wk.matmul_paired(x, *w, 4, 128, pdl=pdl)
+            return wk.matmul_mma_rows(x, *w, 4, 128, pdl=pdl)
+    else:
+        layers = [_nvfp4(gen, k, k) for _ in range(3)]
+
+        def layer(x: torch.Tensor, w: tuple, pdl: bool) -> torch.Tensor:
+            return nk.nvfp4_mma_rows(x, *w, pdl=pdl) if m > 1 else nk.nvfp4_matmul_triton(x, *w, pdl=pdl)
+
+    def chain(x: torch.Tensor, pdl: bool) -> torch.Tensor:
+        for w in layers:
+            x = layer(x, w, pdl)
+        return x
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(chain(x, True), chain(x, False))  # also compiles both builds before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain(x, True)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, generator=gen).to(device="cuda", dtype=torch.bfloat16))
+        expect = chain(x, False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(expect.float()).all()
+        assert torch.equal(y, expect)
