@@ -187,8 +187,8 @@ def paired_gemv_kernel(
     The first K tile's words are loaded before anything else, so that their latency overlaps the activations'
     range read. ``PDL`` (programmatic dependent launch): the program loads those words while the kernel before it
     still runs, waits for that kernel before its first read of the activations or any write, and lets the next
-    kernel launch once its main loop is done (at the start it would put the next kernel's first programs on the
-    SMs with room first, and the rest where this kernel's programs end first: an uneven spread).
+    kernel launch once its main loop is done (letting it launch at the start was slower on the H200 where a wave
+    has room left: gate_up 30.7 against 24.8 us).
     """
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     col0 = tl.program_id(0) * BLOCK_N
