@@ -76,10 +76,10 @@ def pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRET and cuda_facts(device)[1] >= 9
 
 
-def weights_ahead(device: torch.device, pdl: bool) -> dict[str, bool]:
-    """``PDL`` and ``launch_pdl`` launch arguments of the 4-bit matrix kernels, which with ``PDL`` (programmatic
-    dependent launch, where ``pdl_capable``) load their first weights while the kernel before them still runs and
-    only then wait for it (``griddepcontrol.wait``) before reading the activations. Only for weights that the
-    kernel just before did not write (a decode step's, in a CUDA graph); run the call once eagerly with the same
-    ``pdl`` before capturing, so that the capture compiles nothing."""
-    return {"PDL": True, "launch_pdl": True} if pdl and pdl_capable(device) else {"PDL": False}
+def pdl_launch(device: torch.device, on: bool) -> dict[str, bool]:
+    """The ``PDL`` constexpr and ``launch_pdl`` option of a kernel that can start by programmatic dependent launch:
+    on where asked and ``pdl_capable``. Such a kernel waits for the one before it (``griddepcontrol.wait``) before
+    reading its output; the 4-bit matrix kernels load their first weights before that wait, so they take it only
+    for weights the kernel just before did not write (a decode step's, in a CUDA graph). Run a call once eagerly
+    with the same setting before capturing it, so that the capture compiles nothing."""
+    return {"PDL": True, "launch_pdl": True} if on and pdl_capable(device) else {"PDL": False}

@@ -13,15 +13,15 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @pytest.mark.parametrize(("pdl", "capable", "on"), [(True, True, True), (False, True, False), (True, False, False)])
-def test_weights_ahead(monkeypatch: pytest.MonkeyPatch, pdl: bool, capable: bool, on: bool) -> None:
+def test_pdl_launch(monkeypatch: pytest.MonkeyPatch, pdl: bool, capable: bool, on: bool) -> None:
     monkeypatch.setattr(dev, "pdl_capable", lambda device: capable)
-    got = dev.weights_ahead(torch.device("cuda"), pdl)
+    got = dev.pdl_launch(torch.device("cuda"), pdl)
     assert got == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
 
 
 def test_no_pdl_on_cpu() -> None:
     assert not dev.pdl_capable(torch.device("cpu"))
-    assert dev.weights_ahead(torch.device("cpu"), True) == {"PDL": False}
+    assert dev.pdl_launch(torch.device("cpu"), True) == {"PDL": False}
 
 
 def _gptq(gen: torch.Generator, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

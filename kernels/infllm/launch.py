@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import pdl_capable
+from ..device import pdl_launch
 from ..host import next_power_of_2
 
 __all__ = ["LOG2E", "USE_PDL", "check_heads", "pdl_args", "pow2"]
@@ -18,8 +18,7 @@ before its first global access, so the launch latency between the kernels of a d
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
     """``PDL`` and ``launch_pdl`` launch arguments: on where ``USE_PDL`` is set and the GPU is sm_90 or newer."""
-    on = USE_PDL and pdl_capable(device)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return pdl_launch(device, USE_PDL)
 
 
 def pow2(x: int, floor: int = 16) -> int:

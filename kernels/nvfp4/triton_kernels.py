@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ..counters import arrival_counters
 from ..device import cuda_facts as _cuda_facts
-from ..device import resident_programs, weights_ahead
+from ..device import pdl_launch, resident_programs
 from ..host import cdiv, pair_aligned
 from ..mma_rows import check_launch, mma_rows_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
@@ -528,7 +528,7 @@ def nvfp4_matmul_triton(
 ) -> torch.Tensor:
     """``y [..., N] = x [..., K] @ W^T`` with fused NVFP4 dequantization; ``out`` (contiguous, ``y``'s shape and
     dtype) receives the result when given. ``pdl`` turns on programmatic dependent launch for the one-row and row
-    kernels (``weights_ahead``)."""
+    kernels (``pdl_launch``)."""
     _check_device(x)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
@@ -567,15 +567,12 @@ def nvfp4_matmul_triton(
         if m != 1 or x.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the paired GEMV takes one fp16/bf16 activation row, got {m} rows of {x.dtype}")
         cnt = arrival_counters(x.device, cdiv(n, cfg.block_n)) if split > 1 else gs
-        args = (x2, w, s, gs, out2, ws, cnt, n, k)
-        meta = dict(
-            BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1, BF16=bf16,
-            ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
+        nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](
+            x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
+            BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
             EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, **pdl_launch(x.device, pdl),
         )  # fmt: skip
-        launch = weights_ahead(x.device, pdl)
-        nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](*args, **meta, **launch)
     elif cfg.kernel == "gemv":
         if m > 65535:
             raise ValueError(f"the gemv kernel takes at most 65535 rows, got {m}")
@@ -622,7 +619,7 @@ def nvfp4_mma_rows(
     rows (bf16 of any magnitude: scaled into fp16's range per split where needed), K a multiple of 128.
     ``nvfp4_matmul_triton`` takes it for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
     ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's emulation of
-    the PTX on a GPU too; ``pdl`` the programmatic dependent launch (``weights_ahead``)."""
+    the PTX on a GPU too; ``pdl`` the programmatic dependent launch (``pdl_launch``)."""
     _check_device(x)
     n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
     if x.dim() != 2:
@@ -667,12 +664,12 @@ def _launch_rows(
     ws = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     if x.device.type != "cuda" or _POISON_WORKSPACE:
         ws.fill_(float("nan"))  # a read of an unwritten partial shows in the result
-    args = (x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0))
-    meta = dict(
+    mma_rows_kernel[(n_tiles, split)](
+        x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0),
         GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=m > 8, FP4=True, BF16=x.dtype == torch.bfloat16,
         ASM=not emulate and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps, num_stages=1,
+        **pdl_launch(x.device, pdl),
     )  # fmt: skip
-    mma_rows_kernel[(n_tiles, split)](*args, **meta, **weights_ahead(x.device, pdl))
 
 
 def nvfp4_dequantize_triton(

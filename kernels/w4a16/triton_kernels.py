@@ -55,7 +55,7 @@ from torch import Tensor
 from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
-from ..device import resident_programs, weights_ahead
+from ..device import pdl_launch, resident_programs
 from ..host import cdiv, next_power_of_2, pair_aligned, wave_split
 from ..mma_rows import check_launch, mma_rows_kernel
 from .codes import MAGIC
@@ -285,7 +285,7 @@ def matmul_paired(
     ``split_k`` overrides the split heuristic (at least ``_PAIRED_MIN_TILES`` K tiles per split); ``sub`` the
     column sub-tile width (0: the plain tile; default ``PAIRED_SUB`` of this GPU and shape); ``maxnreg`` caps the
     registers per thread (ptxas); ``emulate`` runs the interpreter's emulation of the paired operations on a GPU
-    too, to check the PTX against it; ``pdl`` turns on programmatic dependent launch (``weights_ahead``).
+    too, to check the PTX against it; ``pdl`` turns on programmatic dependent launch (``pdl_launch``).
     """
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     if not _paired_takes(x, bits):
@@ -297,19 +297,26 @@ def matmul_paired(
         raise ValueError(f"sub must be 0 or a power of two of at least 4 that divides block_n={block_n}, got {sub}")
     y = _output(out, 1, n, x)
     grid, part, cnt = _fixed_split_k(x, 1, n, k, block_n, block_k, split_k, _PAIRED_MIN_TILES)
-    args = (x, qweight, scales, y, part, cnt, n, k)
-    meta = {
-        "GROUP_SIZE": gs,
-        "BLOCK_N": block_n,
-        "BLOCK_K": block_k,
-        "BF16": x.dtype == torch.bfloat16,
-        "ASM": not (_INTERPRET or emulate),
-        "SUB": sub,
-        "num_warps": num_warps,
-        "num_stages": 1,
-        "maxnreg": maxnreg,
-    }
-    paired_gemv_kernel[grid](*args, **meta, **weights_ahead(x.device, pdl))
+    paired_gemv_kernel[grid](
+        x,
+        qweight,
+        scales,
+        y,
+        part,
+        cnt,
+        n,
+        k,
+        GROUP_SIZE=gs,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BF16=x.dtype == torch.bfloat16,
+        ASM=not (_INTERPRET or emulate),
+        SUB=sub,
+        num_warps=num_warps,
+        num_stages=1,
+        maxnreg=maxnreg,
+        **pdl_launch(x.device, pdl),
+    )
     return y
 
 
@@ -380,7 +387,7 @@ def matmul_mma_rows(
     128). ``split_k`` overrides the split heuristic (splits of whole groups); ``maxnreg`` caps the registers per
     thread (ptxas); ``weight_cache`` is the weight loads' cache modifier (``".cg"``: not kept in L1) and ``x_evict``
     the activation loads' eviction policy; ``emulate`` runs the interpreter's emulation of the PTX on a GPU too, to
-    check the PTX against it; ``pdl`` the programmatic dependent launch (``weights_ahead``)."""
+    check the PTX against it; ``pdl`` the programmatic dependent launch (``pdl_launch``)."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
@@ -411,8 +418,8 @@ def matmul_mma_rows(
         split_k, meta["maxnreg"] = _mma_rows_wave(args, meta, cdiv(n, block_n), k // group, x.device)
     # splits of whole groups: the group is the K tile
     grid, part, cnt = _fixed_split_k(x, m, n, k, block_n, group, split_k, 1)
-    args = (x, qweight, scales, scales, y, part, cnt, m, n, k, x.stride(0), y.stride(0))
-    mma_rows_kernel[grid](*args, **meta, **weights_ahead(x.device, pdl))
+    meta.update(pdl_launch(x.device, pdl))
+    mma_rows_kernel[grid](x, qweight, scales, scales, y, part, cnt, m, n, k, x.stride(0), y.stride(0), **meta)
     return y
 
 
