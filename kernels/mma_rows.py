@@ -412,10 +412,10 @@ def mma_rows_kernel(
     """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
     grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
     (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a multiple of it),
-    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows. The first group's words are
-    loaded before the activations' range read; with ``PDL`` (programmatic dependent launch) the program loads them
-    while the kernel before it still runs, waits for that kernel before reading the activations or writing
-    anything, and lets the next kernel launch after its main loop."""
+    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows. With ``PDL`` (programmatic
+    dependent launch) the program loads its first group's words while the kernel before it still runs, waits for
+    that kernel before reading the activations or writing anything, and lets the next kernel launch after its main
+    loop."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
@@ -434,8 +434,8 @@ def mma_rows_kernel(
     g_end = tl.minimum(g_start + per, n_groups)
 
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1
-    loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
     if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
         gdc_wait()
 
     SCALED: tl.constexpr = FP4 and BF16  # bf16 rounded to fp16: scaled into its range first
@@ -447,6 +447,8 @@ def mma_rows_kernel(
         shift = fp16_shift(top)
 
     acc = _zeros(NACC * TILES, WARPS)
+    if not PDL:  # after the range read
+        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
     for grp in range(g_start, g_end):
         # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
         nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)

@@ -220,19 +220,19 @@ def nvfp4_paired_gemv_kernel(
 ):
     """Grid ``(cdiv(N, BLOCK_N), split_k)``, SPLIT when split_k > 1; K tiles of ``BLOCK_B`` 16-input blocks (two
     words each). ``w_ptr``: int32 words ``[N, K/8]``; ``s_ptr``: scale bytes ``[N, K/16]``. EVEN: the tiles divide N
-    and K (no masks). PREFETCH: the next tile's loads are issued before this tile's math, the first tile's before
-    the activations' range read. PDL (programmatic dependent launch): the program waits for the kernel before it
-    after its first weight loads, before reading the activations, and lets the next kernel launch after its main
-    loop."""
+    and K (no masks). PREFETCH: the next tile's loads are issued before this tile's math. PDL (programmatic dependent
+    launch): the program waits for the kernel before it before reading the activations (with PREFETCH after
+    loading its first tile), and lets the next kernel launch after its main loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     split_k = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_first, k_last = k_range(pid_k, split_k, K, BLOCK_B * 16)
-    if PREFETCH:  # (an empty split, k_first >= k_last, loads the last tile and never uses it)
-        w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, tl.minimum(k_first, k_last - 1), K, BLOCK_B, EVEN)
-    if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+    first = tl.minimum(k_first, k_last - 1)  # (an empty split, k_first >= k_last, loads the last tile, unused)
+    if PREFETCH and PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
+        w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, first, K, BLOCK_B, EVEN)
+    if PDL:
         gdc_wait()
     # the activations times 2**-shift: the slice's largest in [2**14, 2**15)
     top = max_exponent(x_ptr, k_first * BLOCK_B * 16, tl.minimum(k_last * BLOCK_B * 16, K), RANGE_CHUNK)
@@ -240,6 +240,8 @@ def nvfp4_paired_gemv_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     shape: tl.constexpr = (BLOCK_N, BLOCK_B)
     acc = tl.zeros(shape, tl.float32)
+    if PREFETCH and not PDL:  # after the range read
+        w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, first, K, BLOCK_B, EVEN)
     for kt in range(k_first, k_last):
         if PREFETCH:  # the last iteration reloads its own tile rather than branch
             w_next, s_next = _load_tile(w_ptr, s_ptr, offs_n, n_ok, tl.minimum(kt + 1, k_last - 1), K, BLOCK_B, EVEN)
