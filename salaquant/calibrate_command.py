@@ -11,8 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 from .calibration import CalibOptions
+from .model.checkpoint import replace_folder, staging_folder
+from .outputs import work_dir_for
 from .pipeline import CalibrationEngine, EngineOptions
-from .workflow import check_output, prepare_calibration, work_dir_for
+from .work_folder import guarded_run
+from .workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
 
 
 def run_calibrate(
@@ -29,63 +32,66 @@ def run_calibrate(
     overwrite: bool,
     console: Console,
 ) -> Path:
-    check_output(output, overwrite, resume)
     if hessian_dtype not in ("fp32", "fp64"):
         raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
-    data = prepare_calibration(model, sources, options, console)
+    _, config = start_run(model, output, sources, device=device, overwrite=overwrite, resume=resume)
     work = work_dir_for(output)
-    opts = EngineOptions(
-        device=device,
-        chunk_tokens=chunk_tokens,
-        propagate="float",
-        hessian=True,
-        hessian_dtype=hessian_dtype,
-        save_hessians=hessian,
-        lm_head_stats=False,
-    )
-    engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts)
-    result = engine.run(resume=resume)
+    with guarded_run(work, resume=resume, overwrite=overwrite):
+        data = prepare_calibration(model, sources, options, console)
+        stats = statistics_bytes(config, hessian)
+        check_run_space(output, config, stats, data.total_tokens, stats)
+        opts = EngineOptions(
+            device=device,
+            chunk_tokens=chunk_tokens,
+            propagate="float",
+            hessian=True,
+            hessian_dtype=hessian_dtype,
+            save_hessians=hessian,
+            lm_head_stats=False,
+        )
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts)
+        result = engine.run(resume=resume)
 
-    table = Table(title="Input statistics (absmax: largest channel / median channel)")
-    for col in ("layer", "kind", "group", "tokens", "max |x|", "outlier ratio"):
-        table.add_column(col, justify="left" if col in ("kind", "group") else "right")
-    layers: list[dict[str, Any]] = []
-    for i in range(result.num_layers):
-        t = result.layer_tensors(i)
-        entry: dict[str, Any] = {"layer": i, "kind": engine.config.mixer_types[i], "groups": {}}
-        for key in sorted(k for k in t if k.endswith(".absmax")):
-            group = key.removesuffix(".absmax")
-            absmax = t[key]
-            ratio = float(absmax.max() / absmax.median().clamp(min=1e-12))
-            entry["groups"][group] = {"max_abs": float(absmax.max()), "outlier_ratio": ratio}
-            table.add_row(
-                str(i),
-                entry["kind"],
-                group,
-                str(int(t[f"{group}.counts"][0])),
-                f"{float(absmax.max()):.3g}",
-                f"{ratio:.1f}",
-            )
-        layers.append(entry)
-    console.print(table)
+        table = Table(title="Input statistics (absmax: largest channel / median channel)")
+        for col in ("layer", "kind", "group", "tokens", "max |x|", "outlier ratio"):
+            table.add_column(col, justify="left" if col in ("kind", "group") else "right")
+        layers: list[dict[str, Any]] = []
+        for i in range(result.num_layers):
+            t = result.layer_tensors(i)
+            entry: dict[str, Any] = {"layer": i, "kind": engine.config.mixer_types[i], "groups": {}}
+            for key in sorted(k for k in t if k.endswith(".absmax")):
+                group = key.removesuffix(".absmax")
+                absmax = t[key]
+                ratio = float(absmax.max() / absmax.median().clamp(min=1e-12))
+                entry["groups"][group] = {"max_abs": float(absmax.max()), "outlier_ratio": ratio}
+                table.add_row(
+                    str(i),
+                    entry["kind"],
+                    group,
+                    str(int(t[f"{group}.counts"][0])),
+                    f"{float(absmax.max()):.3g}",
+                    f"{ratio:.1f}",
+                )
+            layers.append(entry)
+        console.print(table)
 
-    tmp = Path(f"{output}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shutil.copytree(work / "layers", tmp / "layers")
-    shutil.copy(work / "log.txt", tmp / "log.txt")
-    report = {
-        "model": str(model),
-        "calibration": data.summary(),
-        "engine": opts.fingerprint_fields(),
-        "timings_s": result.timings,
-        "tokens": result.tokens,
-        "layers": layers,
-    }
-    (tmp / "calibration.json").write_text(json.dumps(report, indent=2, default=str))
-    if output.exists():
-        shutil.rmtree(output)
-    tmp.rename(output)
-    shutil.rmtree(work)
+        report = {
+            "model": str(model),
+            "calibration": data.summary(),
+            "engine": opts.fingerprint_fields(),
+            "timings_s": result.timings,
+            "tokens": result.tokens,
+            "layers": layers,
+        }
+        tmp = staging_folder(output)
+        try:
+            shutil.copytree(work / "layers", tmp / "layers")
+            shutil.copy(work / "log.txt", tmp / "log.txt")
+            (tmp / "calibration.json").write_text(json.dumps(report, indent=2, default=str))
+            replace_folder(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(work)
     console.print(f"statistics of {result.num_layers} layers written to [bold]{output}[/]")
     return output

@@ -20,7 +20,8 @@ import torch
 
 from .gptq.dynamic import first_match, fused_name, resolve
 from .model.checkpoint import CheckpointError, CheckpointReader
-from .model.config import LIGHTNING, ConfigError, normalize_mixer
+from .model.config import LIGHTNING, ConfigError, SalaConfig, normalize_mixer
+from .model.layout import parameter_shapes
 
 __all__ = [
     "CHECKERS",
@@ -107,7 +108,39 @@ def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
         known = ", ".join(sorted(CHECKERS))
         raise CheckError(f"unsupported quant_method {method!r} (checkers exist for: {known})")
     with reader:
+        _fail(config_problems(reader, config), f"{reader.path}: tensors against config.json")
         return checker(reader, config, tp)
+
+
+def config_problems(reader: CheckpointReader, config: dict[str, Any]) -> list[str]:
+    """Where the tensors disagree with the shapes ``config.json`` implies (a served model is built from the config,
+    then filled from the tensors): every parameter of the SALA layout present, plain tensors with their shape,
+    GPTQ linears with ``in`` inputs (``g_idx``) and ``out`` outputs (``qweight``), NVFP4 codes ``[out, in / 2]``."""
+    try:
+        shapes = parameter_shapes(SalaConfig.from_dict(config))
+    except ConfigError as exc:
+        return [f"config.json: {exc}"]
+    errors = []
+    for name, shape in shapes.items():
+        module = name.removesuffix(".weight")
+        if name in reader:
+            got = tuple(reader.shape(name))
+            want = (shape[0], shape[1] // 2) if reader.dtype(name) == torch.uint8 and len(shape) == 2 else shape
+            if got != want:
+                errors.append(f"{name}: shape {list(got)}, config.json implies {list(want)}")
+        elif f"{module}.qweight" in reader and len(shape) == 2:
+            out_f, in_f = shape
+            if f"{module}.g_idx" in reader and tuple(reader.shape(f"{module}.g_idx")) != (in_f,):
+                errors.append(
+                    f"{module}.g_idx: shape {list(reader.shape(f'{module}.g_idx'))}, config.json implies [{in_f}]"
+                )
+            if reader.shape(f"{module}.qweight")[-1] != out_f:
+                errors.append(
+                    f"{module}.qweight: {reader.shape(f'{module}.qweight')[-1]} outputs, config.json implies {out_f}"
+                )
+        else:
+            errors.append(f"{name} is missing (config.json's layout has it)")
+    return errors
 
 
 # --------------------------------------------------------------------------------------------

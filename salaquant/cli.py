@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from . import __version__
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
+from .progress import console as make_console
 from .run_recipe import parse_size
 
 app = typer.Typer(
@@ -23,8 +23,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 
 # options shared by the commands that calibrate
@@ -48,7 +48,8 @@ Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, t
 
 
 def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    err.print("[bold red]error:[/] ", end="", highlight=False, markup=True)
+    err.print(message, highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -95,7 +96,6 @@ def inspect(
     model: Annotated[Path, typer.Argument(help="A SALA checkpoint folder (or its config.json).")],
 ) -> None:
     """Print the layer map, parameter counts per layer type and the bf16 / W4A16 / NVFP4 sizes."""
-    from .model.checkpoint import CheckpointReader
     from .model.config import SalaConfig
     from .model.layout import parameter_shapes
     from .summary import human_bytes, human_count, layer_map, summarize
@@ -166,22 +166,16 @@ def inspect(
     cfg_path = model if model.is_dir() else model.parent
     has_weights = any(cfg_path.glob("*.safetensors")) or any(cfg_path.glob("*.bin"))
     if has_weights:
+        from .model.loading import validate_source
+
         try:
-            reader = CheckpointReader(cfg_path)
-            expected = parameter_shapes(config)
-            for name, shape in expected.items():
-                if name not in reader:
-                    raise CheckpointError(f"{cfg_path}: tensor {name} is missing")
-                if tuple(reader.shape(name)) != shape:
-                    raise CheckpointError(
-                        f"{cfg_path}: tensor {name} has shape {tuple(reader.shape(name))}, expected {shape}"
-                    )
-            console.print(
-                f"weights: {len(expected)} tensors present with the expected shapes, "
-                f"{human_bytes(reader.total_bytes())} on disk"
-            )
-        except CheckpointError as exc:
+            reader, _ = validate_source(cfg_path)
+        except (CheckpointError, ConfigError) as exc:
             fail(str(exc))
+        console.print(
+            f"weights: {len(parameter_shapes(config))} tensors present with the expected shapes, "
+            f"{human_bytes(reader.total_bytes())} on disk"
+        )
 
 
 @app.command()
@@ -205,6 +199,7 @@ def calibrate(
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
     from .calibrate_command import run_calibrate
     from .calibration import CalibOptions
+    from .work_folder import RunInterrupted
 
     try:
         options = CalibOptions(
@@ -223,7 +218,9 @@ def calibrate(
             overwrite=overwrite,
             console=console,
         )
-    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+    except RunInterrupted as exc:
+        interrupted(exc)
+    except (ValueError, CheckpointError, RuntimeError, OSError) as exc:
         fail(str(exc))
 
 
@@ -274,42 +271,30 @@ def gptq_command(
     overwrite: Overwrite = False,
 ) -> None:
     """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
-    from .recipe import Calibration, Engine, Export, GPTQSection, Quantization, Recipe, Smoothing
-
-    def build() -> Recipe:
-        return Recipe(
-            method=method,  # type: ignore[arg-type]  (validated: gptq or rtn)
-            calibration=Calibration(
-                sources=calib,
-                max_samples=max_samples,
-                max_len=max_len,
-                min_len=min_len,
-                shuffle=shuffle,
-                seed=seed,
-                field=field,
-            ),
-            smoothing=Smoothing(enabled=smooth, alpha=smooth_alpha),
-            quantization=Quantization(
-                bits=bits,
-                group_size=group_size,
-                minicpm4_bits=minicpm4_bits,
-                lightning_bits=lightning_bits,
-                layer_bits=layer_bits,
-                exclude=exclude or [],
-            ),
-            gptq=GPTQSection(
-                damp=damp,
-                act_order=act_order,
-                mse=mse,
-                fp64=fp64,
-                hessian_weighting=hessian_weighting,
-                quantize_lm_head=quantize_lm_head,
-            ),
-            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
-            export=Export(shard_size=shard_size, tp=tp, marlin_fallback=marlin_fallback),
-        )
-
-    _run_from_flags(build, input, output, save_recipe, resume, overwrite)
+    recipe = {
+        "method": method,
+        "calibration": _calibration(calib, max_samples, max_len, min_len, shuffle, seed, field),
+        "smoothing": {"enabled": smooth, "alpha": smooth_alpha},
+        "quantization": {
+            "bits": bits,
+            "group_size": group_size,
+            "minicpm4_bits": minicpm4_bits,
+            "lightning_bits": lightning_bits,
+            "layer_bits": layer_bits,
+            "exclude": exclude or [],
+        },
+        "gptq": {
+            "damp": damp,
+            "act_order": act_order,
+            "mse": mse,
+            "fp64": fp64,
+            "hessian_weighting": hessian_weighting,
+            "quantize_lm_head": quantize_lm_head,
+        },
+        "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
+        "export": {"shard_size": shard_size, "tp": tp, "marlin_fallback": marlin_fallback},
+    }
+    _run_from_flags(recipe, input, output, save_recipe, resume, overwrite)
 
 
 @app.command("nvfp4")
@@ -338,58 +323,69 @@ def nvfp4_command(
     overwrite: Overwrite = False,
 ) -> None:
     """SmoothQuant + block-scale search NVFP4, exported in ModelOpt's format for SGLang / vLLM modelopt_fp4."""
-    from .recipe import Calibration, Engine, Export, NVFP4Section, Recipe, Smoothing
-
-    def build() -> Recipe:
-        return Recipe(
-            method="nvfp4",
-            calibration=Calibration(
-                sources=calib,
-                max_samples=max_samples,
-                max_len=max_len,
-                min_len=min_len,
-                shuffle=shuffle,
-                seed=seed,
-                field=field,
-            ),
-            smoothing=Smoothing(enabled=not no_smooth, alpha=smooth_alpha),
-            nvfp4=NVFP4Section(
-                dense_all=dense_all, exclude=exclude or [], mse_iters=mse_iters, mse_max_shrink=mse_max_shrink
-            ),
-            engine=Engine(device=device, chunk_tokens=chunk_tokens, propagate=propagate),
-            export=Export(shard_size=shard_size),
-        )
-
-    _run_from_flags(build, input, output, save_recipe, resume, overwrite)
+    recipe = {
+        "method": "nvfp4",
+        "calibration": _calibration(calib, max_samples, max_len, min_len, shuffle, seed, field),
+        "smoothing": {"enabled": not no_smooth, "alpha": smooth_alpha},
+        "nvfp4": {
+            "dense_all": dense_all,
+            "exclude": exclude or [],
+            "mse_iters": mse_iters,
+            "mse_max_shrink": mse_max_shrink,
+        },
+        "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
+        "export": {"shard_size": shard_size},
+    }
+    _run_from_flags(recipe, input, output, save_recipe, resume, overwrite)
 
 
 SaveRecipe = Annotated[Path | None, typer.Option(help="Write the recipe these flags imply to this YAML file.")]
 
 
-def _run_from_flags(build, input: Path, output: Path, save_recipe: Path | None, resume: bool, overwrite: bool) -> None:
-    """Flags -> recipe (validated like a file) -> the same run as ``salaquant run``."""
-    from pydantic import ValidationError
+def _calibration(
+    sources: list[str], max_samples: int | None, max_len: int, min_len: int, shuffle: bool, seed: int, field: str | None
+) -> dict[str, Any]:
+    return {
+        "sources": sources,
+        "max_samples": max_samples,
+        "max_len": max_len,
+        "min_len": min_len,
+        "shuffle": shuffle,
+        "seed": seed,
+        "field": field,
+    }
 
+
+def _run_from_flags(
+    data: dict[str, Any], input: Path, output: Path, save_recipe: Path | None, resume: bool, overwrite: bool
+) -> None:
+    """Flags -> recipe (validated like a file; errors name the flag) -> the same run as ``salaquant run``."""
     from .recipe import RecipeError, recipe_from_dict
 
     try:
-        recipe = recipe_from_dict(build().model_dump(), "flags")
-    except (ValidationError, RecipeError) as exc:
+        recipe = recipe_from_dict(data, "flags")
+    except RecipeError as exc:
         fail(str(exc))
     if save_recipe is not None:
-        save_recipe.write_text(recipe.to_yaml())
+        try:
+            save_recipe.write_text(recipe.to_yaml())
+        except OSError as exc:
+            fail(f"--save-recipe {save_recipe}: {exc.strerror or exc}")
         console.print(f"recipe written to {save_recipe}")
     _run(recipe, input, output, resume, overwrite, None)
 
 
 def _run(recipe, input: Path, output: Path, resume: bool, overwrite: bool, recipe_path: str | None) -> None:
     from .run_recipe import GateFailed, run_recipe
+    from .work_folder import RunInterrupted
 
     try:
         run_recipe(recipe, input, output, console, resume=resume, overwrite=overwrite, recipe_path=recipe_path)
+    except RunInterrupted as exc:
+        interrupted(exc)
     except GateFailed as exc:
         fail(str(exc), code=3)
-    except (ValueError, CheckpointError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, CheckpointError, RuntimeError, OSError) as exc:
         fail(str(exc))
 
 
@@ -452,6 +448,7 @@ def generate(
 
     import torch
 
+    from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling
     from .pipeline import resolve_device
     from .runtime.load import checkpoint_format, load
@@ -467,14 +464,17 @@ def generate(
     ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
     t0 = time.perf_counter()
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-    with torch.no_grad():
-        out = net.generate(ids, max_new_tokens, sampling, generator=generator, attention_mode=attention)
+    try:
+        with torch.no_grad():
+            out = net.generate(ids, max_new_tokens, sampling, generator=generator, attention_mode=attention)
+    except NonFiniteLogits as exc:
+        fail(f"{model}: {exc}; no text is printed")
     seconds = time.perf_counter() - t0
     from .model.checkpoint import CheckpointReader
 
     fmt = checkpoint_format(CheckpointReader(model))
-    console.print(f"[dim]{model} ({fmt}) on {dev}, {seconds:.2f} s[/]")
-    console.print(prompt + tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), markup=False, highlight=False)
+    err.print(f"[dim]{model} ({fmt}) on {dev}, {seconds:.2f} s[/]")
+    sys.stdout.write(prompt + tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) + "\n")
 
 
 @app.command("eval")
@@ -591,9 +591,10 @@ def eval_command(
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the checkpoints and demo.json.")] = Path(
-        "salaquant-demo"
-    ),
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Folder for the checkpoints and demo.json (default: a new temp folder)."),
+    ] = None,
     quick: Annotated[
         bool, typer.Option(help="Less calibration and evaluation (a smoke run of a few minutes).")
     ] = False,
@@ -608,7 +609,7 @@ def demo(
 
     try:
         run_demo(out, console, quick=quick, model=model, calib=calib, device=device, overwrite=overwrite)
-    except (DemoError, CalibrationError, ConfigError, CheckpointError, OSError) as exc:
+    except (DemoError, CalibrationError, ConfigError, CheckpointError, ValueError, OSError) as exc:
         fail(str(exc))
 
 
@@ -630,6 +631,12 @@ def check(
     )
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}")
+
+
+def interrupted(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C inside a run: say what was kept and how to resume (the run's message), exit 130."""
+    err.print(str(exc) or "interrupted", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 def main() -> None:

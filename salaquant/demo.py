@@ -9,6 +9,7 @@ greedy-generation collapse check. One table, ``demo.json`` and the checkpoints u
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,14 +18,15 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .calibration import CalibOptions
 from .eval.data import load_eval_text
 from .eval.generation import DEFAULT_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
+from .outputs import check_no_overlap, check_writable_folder
 from .perplexity import windows
+from .progress import Phases
 from .workflow import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,10 +102,18 @@ def _resolve(model: Path | None, calib: Path | None) -> tuple[Path, Path]:
     return model, calib
 
 
-def _prepare_output(out: Path, overwrite: bool) -> None:
+def _prepare_output(out: Path | None, overwrite: bool, inputs: list[tuple[str, Path]], console: Console) -> Path:
+    """The demo's folder: ``out`` (checked like every output) or, when none is named, a new temporary folder."""
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="salaquant-demo-"))
+        console.print(f"writing the demo's checkpoints under {out} (--out names another folder)")
+        return out
+    check_no_overlap(out, inputs, flag="--out")
+    check_writable_folder(out, flag="--out")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists() and not overwrite:
         raise DemoError(f"{out} is not empty and was not written by the demo: pass another --out or --overwrite")
     out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _variants(
@@ -134,7 +144,7 @@ def _variants(
 
 
 def run_demo(
-    out: Path,
+    out: Path | None,
     console: Console,
     quick: bool = False,
     model: Path | None = None,
@@ -148,7 +158,7 @@ def run_demo(
     from .runtime.load import load
 
     model, calib = _resolve(model, calib)
-    _prepare_output(out, overwrite)
+    out = _prepare_output(out, overwrite, [("model", model), ("calibration set", calib)], console)
     size = QUICK if quick else FULL
     dev = resolve_device(device)
     t_start = time.perf_counter()
@@ -162,27 +172,25 @@ def run_demo(
     quiet = Console(quiet=True)
 
     rows: list[dict[str, Any]] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-    with Progress(*columns, TimeElapsedColumn(), console=console, disable=not show_progress) as progress:
-        task = progress.add_task("loading bf16 model", total=1 + 2 * len(variants))
-        reference = load(model, device=dev)
-        base = score_export(reference, reference, wins, prompts, size.gen_tokens, unk_id, dev)
-        rows.append({"variant": "bf16", "path": str(model), "bytes": checkpoint_bytes(model), **base})
-        progress.advance(task)
+    with Phases(show_progress) as progress:
+        with progress.phase("bf16 model: load, score", 1) as step:
+            reference = load(model, device=dev)
+            base = score_export(reference, reference, wins, prompts, size.gen_tokens, unk_id, dev)
+            rows.append({"variant": "bf16", "path": str(model), "bytes": checkpoint_bytes(model), **base})
+            step()
         for label, folder, quantize in variants:
             path = out / folder
-            progress.update(task, description=f"quantizing: {label}")
-            t0 = time.perf_counter()
-            quantize(path, quiet)
-            seconds = time.perf_counter() - t0
-            progress.advance(task)
-            progress.update(task, description=f"evaluating: {label}")
-            exported = load(path, device=dev)
-            scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)
-            rows.append({"variant": label, "path": str(path), "bytes": checkpoint_bytes(path), **scores})
-            rows[-1]["quantize_s"] = round(seconds, 1)
-            del exported
-            progress.advance(task)
+            with progress.phase(f"{label}: quantize, score", 2) as step:
+                t0 = time.perf_counter()
+                quantize(path, quiet)
+                seconds = time.perf_counter() - t0
+                step()
+                exported = load(path, device=dev)
+                scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)
+                rows.append({"variant": label, "path": str(path), "bytes": checkpoint_bytes(path), **scores})
+                rows[-1]["quantize_s"] = round(seconds, 1)
+                del exported
+                step()
     result = {
         "model": str(model),
         "calibration": {"source": str(calib), "max_samples": size.calib_samples, "max_len": size.calib_len},

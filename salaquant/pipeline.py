@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from . import host_memory
+from . import __version__, host_memory
 from .background import BackgroundWriter
 from .calibration import samples_fingerprint
 from .host_memory import empty_pinned_cache
@@ -40,7 +40,7 @@ from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
 from .model.config import LIGHTNING, SalaConfig
 from .model.layers import RMSNorm
-from .model.layout import InputGroup, input_groups
+from .model.layout import InputGroup, global_parameter_shapes, input_groups
 from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
@@ -112,14 +112,29 @@ class EngineResult:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a ``ValueError`` naming the flag
+    otherwise (before any work, not at the first tensor moved)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {device}: CUDA is not available on this machine ({why}); use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def model_fingerprint(reader: CheckpointReader) -> str:
-    """Config, tensor names/shapes/dtypes and shard sizes (not the weight bytes: re-hashing 19 GB per run
-    would cost minutes; a changed checkpoint of identical layout is not detected)."""
+    """Config, tensor names/shapes/dtypes and shard sizes. The weights' content is covered separately: each
+    tensor's digest is recorded as the run reads it (``state.json``) and compared when a run resumes."""
     h = hashlib.sha256(json.dumps(reader.config(), sort_keys=True).encode())
     for name in reader:
         h.update(f"{name}:{tuple(reader.shape(name))}:{reader.dtype(name)}".encode())
@@ -128,16 +143,23 @@ def model_fingerprint(reader: CheckpointReader) -> str:
     return h.hexdigest()
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` into ``path.tmp``, then rename over ``path``; a failed write (a full disk) leaves no ``.tmp``."""
     tmp = path.with_name(path.name + ".tmp")
-    write_safetensors(tensors, tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    _atomic_write(path, lambda tmp: write_safetensors(tensors, tmp))
 
 
 def _atomic_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
 
 
 class _GroupCollector:
@@ -202,12 +224,14 @@ class CalibrationEngine:
                     "data": samples_fingerprint(self.samples),
                     "engine": self.opts.fingerprint_fields(),
                     "settings": self.settings,
+                    "salaquant": __version__,
                 },
                 sort_keys=True,
                 default=str,
             ).encode()
         ).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
+        self._digests: dict[str, str] = {}  # tensor -> digest of what this run (and the runs it resumes) read
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
         self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs, after run()
 
@@ -260,7 +284,8 @@ class CalibrationEngine:
         return self.work_dir / "state.json"
 
     def _read_state(self, resume: bool) -> int:
-        """Number of finished layers in the work folder (0 for a fresh run)."""
+        """Number of finished layers in the work folder (0 for a fresh run). A resumed run first checks that the
+        checkpoint still holds, byte for byte, every tensor the finished layers were computed from."""
         path = self._state_path()
         if not path.exists():
             return 0
@@ -268,14 +293,33 @@ class CalibrationEngine:
         if not resume:
             raise ResumeError(
                 f"{self.work_dir} holds an unfinished run ({state.get('finished', 0)} of "
-                f"{state.get('num_layers')} layers done): pass --resume to continue it, or remove the folder"
+                f"{state.get('num_layers')} layers done): rerun with --resume to continue it, or with --overwrite to "
+                "discard it and start over"
             )
         if state.get("fingerprint") != self.fingerprint:
             raise ResumeError(
-                f"{self.work_dir} was written for a different model, calibration set or settings "
-                "(fingerprint mismatch); remove it or run with the original inputs"
+                f"{self.work_dir} was written for a different model, calibration set, settings or salaquant version "
+                "(fingerprint mismatch): rerun with the original inputs, or without --resume and with --overwrite "
+                "to start over"
             )
+        digests: dict[str, str] = state.get("tensors", {})
+        log.info("resume: checking the content of %d tensors read by the finished layers", len(digests))
+        for name, digest in digests.items():
+            if name not in self.reader or self.reader.digest(name) != digest:
+                raise ResumeError(
+                    f"{self.work_dir} was computed from a different checkpoint: tensor {name} in "
+                    f"{self.reader.path} is not the one the finished layers read (content fingerprint mismatch); "
+                    "rerun with the original checkpoint, or without --resume and with --overwrite to start over"
+                )
+        self.reader.close()
+        self._digests = dict(digests)
         return int(state["finished"])
+
+    def _record_digests(self, prefix: str) -> None:
+        """Digests of the tensors whose names start with ``prefix`` (read from the page cache: just loaded)."""
+        for name in self.reader:
+            if name.startswith(prefix) and name not in self._digests:
+                self._digests[name] = self.reader.digest(name)
 
     def _write_state(self, finished: int) -> None:
         _atomic_json(
@@ -284,6 +328,7 @@ class CalibrationEngine:
                 "finished": finished,
                 "num_layers": self.config.num_hidden_layers,
                 "settings": self.settings,
+                "tensors": self._digests,
             },
             self._state_path(),
         )
@@ -517,7 +562,10 @@ class CalibrationEngine:
     ) -> None:
         """Layer ``i``'s files; at a resume point (every ``resume_every``-th layer and the last) also the hidden
         states after it, then the state that marks layers up to ``i`` finished. Layers after the last resume point
-        are computed again by a resumed run (same bytes: the computation is deterministic)."""
+        are computed again by a resumed run (same bytes: the computation is deterministic). The digests of the
+        tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
+        for prefix in (*global_parameter_shapes(self.config), f"model.layers.{i}."):
+            self._record_digests(prefix)
         if files is not None:
             _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
             _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")

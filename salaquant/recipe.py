@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 GPTQ_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 NVFP4_GROUPS = ("attn_in", "attn_out", "mlp_in")
@@ -127,17 +127,6 @@ class Recipe(_Section):
     export: Export = Export()
     eval: EvalGate = EvalGate()
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Recipe:
-        allowed = NVFP4_GROUPS if self.method == "nvfp4" else GPTQ_GROUPS
-        for g in self.smoothing.groups or []:
-            if g not in allowed:
-                raise ValueError(f"smoothing.groups: {g!r} is not a {self.method} smoothing group {list(allowed)}")
-        fmt = self.export.checkpoint_format
-        if fmt is not None and fmt != ("modelopt" if self.method == "nvfp4" else "gptq"):
-            raise ValueError(f"export.checkpoint_format {fmt!r} does not match method {self.method!r}")
-        return self
-
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
 
@@ -160,27 +149,86 @@ def _node_at(node: yaml.Node | None, loc: tuple[Any, ...]) -> yaml.Node | None:
     return node
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+def _model_at(loc: tuple[Any, ...]) -> Any:
+    """The section model reached by ``loc`` from `Recipe` (None past a plain field)."""
     model: Any = Recipe
     for part in loc:
         if isinstance(part, int):
             continue
-        field = model.model_fields.get(part)
+        field = model.model_fields.get(part) if model is not None else None
         if field is None:
-            return []
-        ann = field.annotation
-        inner = getattr(ann, "__args__", (ann,))
+            return None
+        inner = getattr(field.annotation, "__args__", (field.annotation,))
         model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
-            return []
-    return list(model.model_fields)
+    return model
 
 
-def _describe(errors: list[dict[str, Any]], root: yaml.Node | None, where: str) -> str:
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model = _model_at(loc)
+    return list(model.model_fields) if model is not None else []
+
+
+def _allowed(loc: tuple[Any, ...]) -> str | None:
+    """The range a numeric key takes, from its field's bounds (e.g. ``a number in (0, 1]``)."""
+    model = _model_at(loc[:-1]) if loc else None
+    field = model.model_fields.get(loc[-1]) if model is not None else None
+    if field is None:
+        return None
+    lo = hi = None
+    for m in field.metadata:
+        for attr, side in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
+            if getattr(m, attr, None) is not None:
+                if attr in ("ge", "gt"):
+                    lo = (side, getattr(m, attr))
+                else:
+                    hi = (side, getattr(m, attr))
+    if lo and hi:
+        return f"a number in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"a number {'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    if hi:
+        return f"a number {'<=' if hi[0] == ']' else '<'} {hi[1]}"
+    return None
+
+
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def flag_name(key: str) -> str:
+    """The ``gptq`` / ``nvfp4`` flag that sets recipe key ``key`` (``gptq.damp`` -> ``--damp``)."""
+    special = {"calibration.sources": "--calib", "smoothing.alpha": "--smooth-alpha", "smoothing.enabled": "--smooth"}
+    return special.get(key, "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+
+
+def _describe(
+    errors: list[dict[str, Any]],
+    root: yaml.Node | None,
+    where: str,
+    overrides: dict[tuple[str, ...], str] | None = None,
+) -> str:
+    """One line per error: ``FILE:LINE: key: problem`` for a recipe file, ``--set KEY=VALUE: ...`` for an error in
+    an override, ``--flag VALUE: expected ...`` for the command's flags (``where == "flags"``)."""
     lines = []
     for e in errors:
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        allowed = (
+            _allowed(loc)
+            if e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+            else None
+        )
+        if allowed is not None:
+            msg = f"expected {allowed}"
+        item = next((v for k, v in (overrides or {}).items() if loc[: len(k)] == k), None)
+        if where == "flags" and e["type"] != "extra_forbidden":
+            value = e.get("input")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            lines.append(f"{flag_name(key.split('[')[0])} {shown}: {msg}")
+            continue
+        if item is not None:
+            lines.append(f"--set {item}: {key}: {msg}")
+            continue
         node = _node_at(root, loc) if loc else root
         line = f":{node.start_mark.line + 1}" if node is not None else ""
         if e["type"] == "extra_forbidden":
@@ -188,9 +236,35 @@ def _describe(errors: list[dict[str, Any]], root: yaml.Node | None, where: str) 
             hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)" if close else ""
             lines.append(f"{where}{line}: unknown key '{key}'{hint}")
         else:
-            msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{where}{line}: {key or 'recipe'}: {msg}")
     return "\n".join(lines)
+
+
+def _consistency(recipe: Recipe) -> list[dict[str, Any]]:
+    """Errors between sections (as pydantic reports errors, so they are described the same way)."""
+    errors = []
+    allowed = NVFP4_GROUPS if recipe.method == "nvfp4" else GPTQ_GROUPS
+    for i, g in enumerate(recipe.smoothing.groups or []):
+        if g not in allowed:
+            errors.append(
+                {
+                    "loc": ("smoothing", "groups", i),
+                    "type": "value_error",
+                    "input": g,
+                    "msg": f"{g!r} is not a {recipe.method} smoothing group {list(allowed)}",
+                }
+            )
+    fmt = recipe.export.checkpoint_format
+    if fmt is not None and fmt != ("modelopt" if recipe.method == "nvfp4" else "gptq"):
+        errors.append(
+            {
+                "loc": ("export", "checkpoint_format"),
+                "type": "value_error",
+                "input": fmt,
+                "msg": f"{fmt!r} does not match method {recipe.method!r}",
+            }
+        )
+    return errors
 
 
 def _parse_value(text: str) -> Any:
@@ -200,8 +274,10 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``["gptq.damp=0.05", "calibration.sources=[a.jsonl]"]`` applied to a recipe dict."""
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[tuple[str, ...], str]:
+    """Apply ``["gptq.damp=0.05", "calibration.sources=[a.jsonl]"]`` to a recipe dict, in place; returns which
+    key each override set (so that an error in its value blames the ``--set`` argument)."""
+    applied: dict[tuple[str, ...], str] = {}
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. gptq.damp=0.05")
@@ -213,7 +289,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise RecipeError(f"--set {item!r}: {p} is not a section")
             target = target[p]
         target[parts[-1]] = _parse_value(value)
-    return data
+        applied[tuple(parts)] = item
+    return applied
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -245,15 +322,26 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections (method, calibration, ...)")
-    data = apply_overrides(data, overrides or [])
-    return recipe_from_dict(data, str(path), root)
+    applied = apply_overrides(data, overrides or [])
+    return recipe_from_dict(data, str(path), root, applied)
 
 
-def recipe_from_dict(data: dict[str, Any], where: str = "recipe", root: yaml.Node | None = None) -> Recipe:
+def recipe_from_dict(
+    data: dict[str, Any],
+    where: str = "recipe",
+    root: yaml.Node | None = None,
+    overrides: dict[tuple[str, ...], str] | None = None,
+) -> Recipe:
+    """Validate a recipe dict; ``where`` names its origin in errors (a file, or ``"flags"`` for the command's
+    flags, whose errors then name the flag)."""
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_describe(exc.errors(), root, where)) from exc
+        raise RecipeError(_describe(exc.errors(), root, where, overrides)) from exc
+    errors = _consistency(recipe)
+    if errors:
+        raise RecipeError(_describe(errors, root, where, overrides))
+    return recipe
 
 
 def rule_line(recipe_path: str | Path, index: int) -> str:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from .calibration import CalibOptions
+from .model.checkpoint import replace_folder
+from .outputs import check_no_overlap, check_output
 from .recipe import GPTQ_GROUPS, NVFP4_GROUPS, EvalGate, Recipe, RecipeError, rule_line
 
 
@@ -55,12 +58,54 @@ def run_recipe(
     show_progress: bool = True,
     recipe_path: str | None = None,
 ) -> Path:
-    """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``."""
+    """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``.
+
+    With an eval gate the export is written to ``OUTPUT.gate-pending`` and moved to ``output`` only when the gate
+    passes; a failed gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`."""
     if not recipe.calibration.sources:
         raise RecipeError(
             "calibration.sources is empty: list files in the recipe or pass "
             "--set calibration.sources=[FILE] (or --calib FILE)"
         )
+    if recipe_path is not None and Path(recipe_path).exists():
+        check_no_overlap(output, [("recipe", Path(recipe_path))])
+    gated = recipe.eval.data is not None
+    export_to = output
+    if gated:  # the export waits beside the output until the gate has passed
+        check_output(output, overwrite, False, [("input checkpoint", model)])
+        export_to = Path(f"{output}.gate-pending")
+        shutil.rmtree(export_to, ignore_errors=True)
+    _quantize(recipe, model, export_to, console, resume, overwrite, show_progress, recipe_path)
+    if not gated:
+        return output
+    result = eval_gate(model, export_to, recipe.eval, recipe.engine.device)
+    (export_to / "eval_gate.json").write_text(json.dumps(result, indent=2))
+    console.print(
+        f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
+        f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
+    )
+    if not result["passed"]:
+        failed = Path(f"{output}.gate-failed")
+        replace_folder(export_to, failed)
+        raise GateFailed(
+            "eval gate failed: " + "; ".join(result["failures"]) + f"; the export is kept at {failed} for "
+            f"inspection and {output} was not written"
+        )
+    replace_folder(export_to, output)
+    return output
+
+
+def _quantize(
+    recipe: Recipe,
+    model: Path,
+    output: Path,
+    console: Console,
+    resume: bool,
+    overwrite: bool,
+    show_progress: bool,
+    recipe_path: str | None,
+) -> None:
+    """The recipe's quantizer, run into ``output``."""
     extra = {"recipe.yaml": recipe.to_yaml()}
     q, e = recipe.quantization, recipe.engine
     if recipe.method in ("gptq", "rtn"):
@@ -141,16 +186,6 @@ def run_recipe(
         run_nvfp4(
             model, output, recipe.calibration.sources, calib_options(recipe), layer4, run4, console, extra_files=extra
         )
-    if recipe.eval.data is not None:
-        result = eval_gate(model, output, recipe.eval, recipe.engine.device)
-        (output / "eval_gate.json").write_text(json.dumps(result, indent=2))
-        console.print(
-            f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
-            f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
-        )
-        if not result["passed"]:
-            raise GateFailed("eval gate failed: " + "; ".join(result["failures"]))
-    return output
 
 
 def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:

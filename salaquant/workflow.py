@@ -1,4 +1,4 @@
-"""Steps shared by the commands that calibrate: output checks, tokenizer, calibration data."""
+"""Steps shared by the commands that calibrate: checks before any work, tokenizer, calibration data."""
 
 from __future__ import annotations
 
@@ -8,22 +8,48 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from .calibration import CalibOptions, CalibSet, load_calibration
+from .model.checkpoint import CheckpointReader
+from .model.config import SalaConfig
+from .model.layout import input_groups, layer_parameter_shapes
+from .model.loading import validate_source
+from .outputs import check_free_space, check_output
 
 if TYPE_CHECKING:
     from .pipeline import CalibrationEngine, EngineResult
 
 
-def work_dir_for(output: Path) -> Path:
-    """Where an unfinished run keeps its state (next to the output, removed when the output is complete)."""
-    return Path(f"{output}.work")
+def start_run(
+    model: Path, output: Path, sources: list[str], *, device: str, overwrite: bool, resume: bool
+) -> tuple[CheckpointReader, SalaConfig]:
+    """What every command that calibrates checks before any data or model work (about a second): the output
+    paths (`check_output`, the source and every calibration file counting as inputs), the device, and the source
+    checkpoint from its headers (`validate_source`)."""
+    from .pipeline import resolve_device
+
+    inputs = [("input checkpoint", model)]
+    inputs += [("calibration source", Path(s)) for s in sources if not s.startswith("hf:")]
+    check_output(output, overwrite, resume, inputs)
+    resolve_device(device)
+    return validate_source(model)
 
 
-def check_output(output: Path, overwrite: bool, resume: bool) -> None:
-    """Refuse a non-empty output without ``overwrite``, and ``resume`` without a work folder."""
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
-        raise ValueError(f"{output} exists and is not empty: pass --overwrite to replace it")
-    if resume and not work_dir_for(output).exists():
-        raise ValueError(f"--resume: no work folder {work_dir_for(output)} to resume from")
+def check_run_space(output: Path, config: SalaConfig, export_bytes: int, tokens: int, layer_bytes: int) -> None:
+    """Refuse a run whose export, work folder (per-layer files of ``layer_bytes`` in all, the hidden states of
+    ``tokens`` tokens written beside their previous copy) and temporary export do not fit on the disk."""
+    hidden = tokens * config.hidden_size * 2
+    check_free_space(output, {"export": export_bytes, "work folder": layer_bytes + 2 * hidden})
+
+
+def statistics_bytes(config: SalaConfig, hessian: bool) -> int:
+    """Bytes of the per-layer statistics ``calibrate`` writes: per input group, a few vectors of its width, and
+    the d x d fp32 Hessian with ``hessian``."""
+    total = 0
+    for i, kind in enumerate(config.mixer_types):
+        shapes = layer_parameter_shapes(config, i)
+        for g in input_groups(config, kind):
+            d = shapes[f"model.layers.{i}.{g.members[0]}.weight"][1]
+            total += 16 * d + (4 * d * d if hessian else 0)
+    return total
 
 
 def load_tokenizer(model: Path) -> Any:

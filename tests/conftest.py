@@ -32,6 +32,29 @@ def tiny_ckpt_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(out, cfg, seed=2, std=0.05)
 
 
+@pytest.fixture(scope="session")
+def shipped_rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A W4 g128 round-to-nearest GPTQ export of the shipped model (2 calibration samples of 128 tokens)."""
+    from rich.console import Console
+
+    from salaquant.calibration import CalibOptions
+    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.gptq.layer import GPTQLayerOptions
+    from salaquant.gptq.plan import BitsOptions
+
+    root = Path(__file__).resolve().parents[1]
+    return run_gptq(
+        root / "models" / "sala-tiny",
+        tmp_path_factory.mktemp("shipped") / "w4",
+        [str(root / "calib" / "sala-tiny-calib.jsonl")],
+        CalibOptions(max_samples=2, max_len=128),
+        BitsOptions(),
+        GPTQLayerOptions(method="rtn"),
+        RunOptions(device="cpu", show_progress=False),
+        Console(quiet=True),
+    )
+
+
 def _fresh_seed() -> int:
     """``SALAQUANT_TEST_SEED`` when set (to replay a failure), else a new seed from the system's entropy."""
     env = os.environ.get("SALAQUANT_TEST_SEED")

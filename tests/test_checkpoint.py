@@ -254,7 +254,12 @@ def test_copy_aux(tmp_path: Path) -> None:
         "generation_config.json": '{"g": 1}',
         "modeling_x.py": "raise SystemExit('must not run')\n",
         "README.md": "readme",
-        "sub/chat_template.jinja": "{{ x }}",
+        "LICENSE": "licence",
+        "chat_template.jinja": "{{ x }}",
+        "heldout.jsonl": '{"text": "held-out"}',
+        "train_summary.json": "{}",
+        "eval.json": "{}",
+        "sub/notes.txt": "x",
         "model.safetensors.index.json": "{}",
         "pytorch_model.bin": "x",
         "pytorch_model.bin.index.json": "{}",
@@ -273,20 +278,22 @@ def test_copy_aux(tmp_path: Path) -> None:
         w.write_json("config.json", {"c": 1})
         w.add("x", torch.zeros(1))
     assert copied == [
+        "LICENSE",
         "README.md",
+        "chat_template.jinja",
         "modeling_x.py",
-        "sub/chat_template.jinja",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert names == [
+        "LICENSE",
         "README.md",
+        "chat_template.jinja",
         "config.json",
         "generation_config.json",
         "model.safetensors",
         "modeling_x.py",
-        "sub/chat_template.jinja",
         "tokenizer.json",
         "tokenizer_config.json",
     ]

@@ -13,7 +13,6 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from salaquant.calibration import CalibOptions
 from salaquant.cli import app
 from salaquant.eval import EvalOptions, Thresholds, run_eval
 from salaquant.eval.command import parse_lengths
@@ -22,9 +21,6 @@ from salaquant.eval.generation import collapse, find_loop, first_divergence, gre
 from salaquant.eval.metrics import LogitComparison
 from salaquant.eval.niah import FILLER, contains_value, effective_attention, make_case, needle_text, question_text
 from salaquant.eval.thresholds import parse_fraction
-from salaquant.gptq.command import RunOptions, run_gptq
-from salaquant.gptq.layer import GPTQLayerOptions
-from salaquant.gptq.plan import BitsOptions
 from salaquant.model.loading import load_model
 from salaquant.recipe import EvalGate
 from salaquant.run_recipe import eval_gate
@@ -63,26 +59,29 @@ def _copy_with(src: Path, dst: Path, edits: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A W4 g128 round-to-nearest GPTQ export of the shipped model (smoothed, like the default)."""
-    return run_gptq(
-        MODEL,
-        tmp_path_factory.mktemp("eval") / "w4",
-        [CALIB],
-        CalibOptions(max_samples=2, max_len=128),
-        BitsOptions(),
-        GPTQLayerOptions(method="rtn"),
-        RunOptions(device="cpu", show_progress=False),
-        QUIET,
-    )
+def export(shipped_rtn_export: Path) -> Path:
+    return shipped_rtn_export
+
+
+@pytest.fixture(scope="module")
+def identity_export(export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The source's weights under the export's quantization_config with one negative rule for every module: a GPTQ
+    checkpoint in form (the checker passes it, with no quantized linear) that computes exactly what the source does."""
+    out = tmp_path_factory.mktemp("eval") / "identity"
+    shutil.copytree(MODEL, out)
+    config = json.loads((out / "config.json").read_text())
+    qc = json.loads((export / "config.json").read_text())["quantization_config"]
+    config["quantization_config"] = {**qc, "dynamic": {"-:.*": {}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-def test_self_eval_is_exact(tmp_path: Path) -> None:
+def test_self_eval_is_exact(identity_export: Path, tmp_path: Path) -> None:
     gates = Thresholds(max_ppl_increase=0.0, max_kl=1e-6, min_top1=1.0, max_layer_error=0.0, no_collapse=True)
-    r = run_eval(MODEL, MODEL, _opts(niah_lengths=[1100], niah_depths=(0.5,)), gates, tmp_path, QUIET)
+    r = run_eval(identity_export, MODEL, _opts(niah_lengths=[1100], niah_depths=(0.5,)), gates, tmp_path, QUIET)
     p = r["perplexity"]
     assert p["ppl_ratio"] == 1.0 and p["ppl_increase"] == 0.0
     assert abs(p["kl"]) < 1e-6 and p["kl_max"] < 1e-6
@@ -94,7 +93,7 @@ def test_self_eval_is_exact(tmp_path: Path) -> None:
     assert r["niah"]["by_length"][0]["attention"] == "sparse"  # 1100 >= dense_len 1024
     assert all(e["rel_err"] == 0.0 for e in r["layers"]["layers"]) and r["layers"]["outliers"] == []
     assert r["passed"] and all(c["passed"] for c in r["thresholds"]) and len(r["thresholds"]) == 5
-    assert r["quantized"]["check"]["status"] == "skipped"  # bf16: nothing to check
+    assert r["quantized"]["check"]["status"] == "passed" and r["quantized"]["check"]["quantized_linears"] == 0
     # the source perplexity, recomputed independently with the plain loader on the same token windows
     tok = load_tokenizer(MODEL)
     ids: list[int] = []
@@ -147,8 +146,9 @@ def test_collapsed_model_is_flagged(export: Path, tmp_path: Path) -> None:
 
 
 def test_nan_logits_are_flagged(export: Path, tmp_path: Path) -> None:
+    """Finite weights whose activations overflow (a norm scaled to bf16's largest values) give NaN logits."""
     key = "model.layers.5.self_attn.o_norm.weight"
-    bad = _copy_with(export, tmp_path / "nan", {key: lambda t: torch.full_like(t, float("nan"))})
+    bad = _copy_with(export, tmp_path / "nan", {key: lambda t: torch.full_like(t, 3e38)})
     r = run_eval(bad, MODEL, _opts(), Thresholds(max_kl=1.0, no_collapse=True), tmp_path / "r", QUIET)
     assert r["perplexity"]["nonfinite_positions_quantized"] == r["perplexity"]["tokens"] == 510
     assert r["perplexity"]["nonfinite_positions_source"] == 0

@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from salaquant.check import CHECKERS, CheckError, check_checkpoint
 from salaquant.gptq.dynamic import LinearPlan, build_dynamic, resolve
 from salaquant.gptq.packing import dequantize_gptq_v1, pack_gptq_v1, unpack_gptq_v1
+from salaquant.model.config import SalaConfig
+from salaquant.model.layout import parameter_shapes
 
 # --------------------------------------------------------------------------------------------
 # Packing
@@ -307,8 +309,13 @@ def _write_ckpt(
         "lightning_nkv": 2,
         "lightning_head_dim": HEAD,
         "mixer_types": ["minicpm4", "lightning-attn"],
+        "vocab_size": 64,
         "quantization_config": quant,
     }
+    # the norms of the layout, which the served model needs beside the linears
+    for name, shape in parameter_shapes(SalaConfig.from_dict(config)).items():
+        if len(shape) == 1 and name not in tensors:
+            tensors[name] = torch.ones(shape).bfloat16()
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(folder / "model.safetensors"))

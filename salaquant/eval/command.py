@@ -12,19 +12,18 @@ import dataclasses
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..perplexity import windows as make_windows
+from ..progress import Phases
 from . import generation as gen
 from . import layers as lay
 from . import niah as nh
@@ -142,23 +141,20 @@ def parse_depths(text: str) -> tuple[float, ...]:
     return depths
 
 
-def _report_dir(report_dir: Path | None, quantized: Path) -> Path:
-    folder = report_dir if report_dir is not None else quantized
+def _report_dir(folder: Path) -> Path:
     if folder.exists() and not folder.is_dir():
         raise EvalInputError(f"--report {folder}: exists and is not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise EvalInputError(f"--report {folder}: cannot create it ({exc})") from exc
+        raise EvalInputError(f"--report {folder}: cannot create it ({exc.strerror or exc})") from exc
     if not os.access(folder, os.W_OK):
-        raise EvalInputError(f"report folder {folder} is not writable (pass --report DIR)")
+        raise EvalInputError(f"--report {folder}: not writable")
     return folder
 
 
-def _format_check(path: Path, fmt: str, tp: int) -> dict[str, Any]:
-    """Run the export code's checker (raises ``CheckError``: eval stops); bf16 checkpoints have none."""
-    if fmt == "bf16":
-        return {"status": "skipped", "detail": "bf16 checkpoint: no quantization_config to check"}
+def _format_check(path: Path, tp: int) -> dict[str, Any]:
+    """Run the export code's checker (raises ``CheckError``: eval stops)."""
     from ..check import check_checkpoint
 
     rep = check_checkpoint(path, tp=tp)
@@ -174,41 +170,6 @@ def _format_check(path: Path, fmt: str, tp: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ progress
 
 
-class _Progress:
-    """One bar per phase on stderr (or nothing)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = (
-            Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            if enabled
-            else None
-        )
-
-    @contextmanager
-    def phase(self, description: str, total: int) -> Iterator[Any]:
-        if self.progress is None:
-            yield lambda *_: None
-            return
-        task = self.progress.add_task(description, total=total)
-        yield lambda *_: self.progress.advance(task) if self.progress is not None else None
-
-    def __enter__(self) -> _Progress:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-
 # ------------------------------------------------------------------------------------------------ run
 
 
@@ -221,7 +182,7 @@ def run_eval(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``quantized`` against ``reference``; returns the result (also written as ``eval.json`` and
-    ``eval.png`` in ``report_dir``, default: the quantized checkpoint's folder). ``result["passed"]`` is False
+    ``eval.png`` into ``report_dir`` when one is given; nothing is written otherwise). ``result["passed"]`` is False
     when a threshold was missed. Raises ``EvalInputError`` / ``CheckpointError`` / ``ConfigError`` /
     ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
     from .. import __version__
@@ -241,6 +202,16 @@ def run_eval(
         more = "; ..." if len(problems) > 4 else ""
         raise EvalInputError(f"{quantized} is not an export of {reference}: " + "; ".join(problems[:4]) + more)
     qfmt, rfmt = checkpoint_format(qreader), checkpoint_format(rreader)
+    if qfmt == "bf16":
+        raise EvalInputError(
+            f"{quantized} is a bf16 checkpoint (config.json has no quantization_config), not an export: pass the "
+            "GPTQ or NVFP4 export first and its bf16 source as --reference"
+        )
+    if rfmt != "bf16":
+        raise EvalInputError(
+            f"--reference {reference} is a {rfmt} export, not a bf16 source: pass the checkpoint the export was "
+            "made from as --reference"
+        )
     if opts.attention == "sparse" and qcfg.sparse_config is None:
         raise EvalInputError(f"--attention sparse: {quantized}/config.json has no sparse_config")
     niah_lengths = opts.niah_lengths
@@ -272,10 +243,8 @@ def run_eval(
         prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
     else:
         prompts = list(opts.prompts) if opts.prompts is not None else list(gen.DEFAULT_PROMPTS)
-    folder = _report_dir(report_dir, quantized)
+    folder = _report_dir(Path(report_dir)) if report_dir is not None else None
     notes: list[str] = []
-    if rfmt != "bf16":
-        notes.append(f"the reference {reference} is a {rfmt} checkpoint, not a bf16 source")
     if len(wins) < opts.windows:
         notes.append(
             f"the data holds {len(wins)} windows of {opts.max_len} tokens, fewer than --windows {opts.windows}"
@@ -286,7 +255,7 @@ def run_eval(
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    check = _format_check(quantized, qfmt, opts.tp)  # CheckError stops eval here
+    check = _format_check(quantized, opts.tp)  # CheckError stops eval here
     timings["format_check"] = time.perf_counter() - t0
 
     dev = resolve_device(opts.device)
@@ -321,7 +290,7 @@ def run_eval(
         "notes": notes,
     }
 
-    with _Progress(opts.show_progress) as progress:
+    with Phases(opts.show_progress) as progress:
         t = time.perf_counter()
         with progress.phase("perplexity / KL", len(wins)) as step:
             cmp, rerun = compare_windows(
@@ -359,11 +328,13 @@ def run_eval(
     _name_outliers(result)
     timings["total"] = time.perf_counter() - t0
     result["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    result["report"] = {"json": str(folder / report.JSON_NAME), "png": str(folder / report.PNG_NAME)}
-    report.write_json(result, folder)
-    report.write_png(result, folder)
+    if folder is not None:
+        result["report"] = {"json": str(folder / report.JSON_NAME), "png": str(folder / report.PNG_NAME)}
+        report.write_json(result, folder)
+        report.write_png(result, folder)
     report.render(result, console)
-    console.print(f"[dim]wrote {folder / report.JSON_NAME} and {report.PNG_NAME} ({timings['total']:.1f} s)[/]")
+    wrote = f"wrote {folder / report.JSON_NAME} and {report.PNG_NAME}, " if folder is not None else ""
+    console.print(f"[dim]{wrote}{timings['total']:.1f} s[/]")
     return result
 
 
@@ -402,7 +373,7 @@ def _run_niah(
     opts: EvalOptions,
     dense_len: int | None,
     dev: torch.device,
-    progress: _Progress,
+    progress: Phases,
 ) -> dict[str, Any] | None:
     if not built:
         return None
@@ -450,7 +421,7 @@ def _run_generation(
     eos_id: int | None,
     unk_id: int | None,
     dev: torch.device,
-    progress: _Progress,
+    progress: Phases,
 ) -> dict[str, Any] | None:
     if opts.gen_tokens == 0 or not prompts:
         return None

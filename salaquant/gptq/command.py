@@ -15,9 +15,11 @@ from rich.table import Table
 from ..calibration import CalibOptions
 from ..check import check_checkpoint
 from ..export import export_checkpoint
-from ..model.config import SalaConfig
+from ..outputs import work_dir_for
 from ..pipeline import CalibrationEngine, EngineOptions
-from ..workflow import check_output, prepare_calibration, run_report, work_dir_for
+from ..summary import summarize
+from ..work_folder import guarded_run
+from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .config import quantization_config
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
 from .packing import pack_gptq_v1
@@ -69,9 +71,10 @@ def run_gptq(
     console: Console,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    check_output(output, run.overwrite, run.resume)
-    config = SalaConfig.from_file(model)
+    _, config = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     plan = build_plan(config, bits)  # bad bit plans fail before any data or model work
+    if all(p.bits is None for p in plan.values()):
+        raise PlanError("the bits options keep every linear in 16 bits: nothing to export as GPTQ")
     excluded = marlin_exclusions(config, plan, run.tp)
     if excluded and not run.marlin_fallback:
         first = next(iter(excluded.items()))
@@ -86,85 +89,89 @@ def run_gptq(
         )
         for name, reasons in excluded.items():
             console.print(f"  {name}: {reasons[0]}")
-    data = prepare_calibration(model, sources, calib, console)
-    settings = {
-        "method": "gptq",
-        "bits": dataclasses.asdict(bits),
-        "gptq": dataclasses.asdict(layer),
-        "quantize_lm_head": run.quantize_lm_head,
-        "marlin_exclusions": sorted(excluded),
-        "calibration": dataclasses.asdict(calib),
-    }
-    engine_opts = EngineOptions(
-        device=run.device,
-        chunk_tokens=run.chunk_tokens,
-        propagate=run.propagate,
-        hessian=True,
-        hessian_dtype="fp64" if layer.fp64 else "fp32",
-        lm_head_stats=run.quantize_lm_head,
-        show_progress=run.show_progress,
-    )
-    engine = CalibrationEngine(model, [s.ids for s in data.samples], work_dir_for(output), engine_opts, settings)
-    t0 = time.perf_counter()
-    result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
-    engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
-    t_calib = time.perf_counter() - t0
-
-    lm_tensors = None
-    lm_report: dict[str, Any] = {}
-    if run.quantize_lm_head:
-        assert result.lm_head_stats is not None
-        from ..model.loading import load_global
-
-        w = load_global(engine.reader, config, "lm_head.weight", engine.device).float()
-        h = layer.hessian(result.lm_head_stats)
-        cfg = layer.solver_config(bits.bits, bits.group_size)
-        res = gptq(w, h, cfg)
-        lm_tensors = {
-            k: v.cpu()
-            for k, v in pack_gptq_v1(
-                res.weight.codes, res.weight.scales, res.weight.g_idx, bits.bits, res.weight.zero
-            ).items()
+    work = work_dir_for(output)
+    with guarded_run(work, resume=run.resume, overwrite=run.overwrite):
+        data = prepare_calibration(model, sources, calib, console)
+        size = summarize(config).w4a16_bytes
+        check_run_space(output, config, size, data.total_tokens, size)
+        settings = {
+            "method": "gptq",
+            "bits": dataclasses.asdict(bits),
+            "gptq": dataclasses.asdict(layer),
+            "quantize_lm_head": run.quantize_lm_head,
+            "marlin_exclusions": sorted(excluded),
+            "calibration": dataclasses.asdict(calib),
         }
-        lm_report = {
-            "bits": bits.bits,
-            "rel_err": relative_output_error(w, res.weight.dequantize(), h),
-            "damp": res.damp,
-        }
+        engine_opts = EngineOptions(
+            device=run.device,
+            chunk_tokens=run.chunk_tokens,
+            propagate=run.propagate,
+            hessian=True,
+            hessian_dtype="fp64" if layer.fp64 else "fp32",
+            lm_head_stats=run.quantize_lm_head,
+            show_progress=run.show_progress,
+        )
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings)
+        t0 = time.perf_counter()
+        result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
+        engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
+        t_calib = time.perf_counter() - t0
 
-    table, summary = _summary_table(result.reports)
-    console.print(table)
-    meta = {
-        "damp_percent": layer.damp,
-        "act_order_static_groups": layer.act_order,
-        "mse": layer.mse,
-        "smooth_alpha": layer.smooth_alpha,
-        "hessian_weighting": layer.hessian_weighting,
-    }
-    qconfig = quantization_config(config, plan, bits.group_size, run.quantize_lm_head, meta)
-    report = {**run_report(engine, data, result, t_calib, summary), "lm_head": lm_report}
-    t1 = time.perf_counter()
-    export_checkpoint(
-        model,
-        output,
-        result,
-        qconfig,
-        {
-            "quantize_config.json": qconfig,
-            "quant_report.json": report,
-            "salaquant_settings.json": settings,
-            **(extra_files or {}),
-        },
-        lm_head_tensors=lm_tensors,
-        max_shard_bytes=run.max_shard_bytes,
-        overwrite=run.overwrite,
-    )
-    check = check_checkpoint(output, tp=run.tp)
-    shutil.rmtree(work_dir_for(output), ignore_errors=True)
-    console.print(
-        f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
-        f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
-    )
-    for w in check.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        lm_tensors = None
+        lm_report: dict[str, Any] = {}
+        if run.quantize_lm_head:
+            assert result.lm_head_stats is not None
+            from ..model.loading import load_global
+
+            w = load_global(engine.reader, config, "lm_head.weight", engine.device).float()
+            h = layer.hessian(result.lm_head_stats)
+            cfg = layer.solver_config(bits.bits, bits.group_size)
+            res = gptq(w, h, cfg)
+            lm_tensors = {
+                k: v.cpu()
+                for k, v in pack_gptq_v1(
+                    res.weight.codes, res.weight.scales, res.weight.g_idx, bits.bits, res.weight.zero
+                ).items()
+            }
+            lm_report = {
+                "bits": bits.bits,
+                "rel_err": relative_output_error(w, res.weight.dequantize(), h),
+                "damp": res.damp,
+            }
+
+        table, summary = _summary_table(result.reports)
+        console.print(table)
+        meta = {
+            "damp_percent": layer.damp,
+            "act_order_static_groups": layer.act_order,
+            "mse": layer.mse,
+            "smooth_alpha": layer.smooth_alpha,
+            "hessian_weighting": layer.hessian_weighting,
+        }
+        qconfig = quantization_config(config, plan, bits.group_size, run.quantize_lm_head, meta)
+        report = {**run_report(engine, data, result, t_calib, summary), "lm_head": lm_report}
+        t1 = time.perf_counter()
+        export_checkpoint(
+            model,
+            output,
+            result,
+            qconfig,
+            {
+                "quantize_config.json": qconfig,
+                "quant_report.json": report,
+                "salaquant_settings.json": settings,
+                **(extra_files or {}),
+            },
+            lm_head_tensors=lm_tensors,
+            max_shard_bytes=run.max_shard_bytes,
+            overwrite=run.overwrite,
+        )
+        check = check_checkpoint(output, tp=run.tp)
+        shutil.rmtree(work, ignore_errors=True)
+        console.print(
+            f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
+            f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
+        )
+        for w in check.warnings:
+            console.print(f"[yellow]warning:[/] {w}")
     return output

@@ -10,12 +10,14 @@ loaded.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import shutil
 import struct
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any, cast
@@ -30,11 +32,15 @@ __all__ = [
     "CONFIG_NAME",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
+    "SERVING_FILES",
     "SINGLE_FILE_NAME",
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriter",
+    "remove_stale_staging",
+    "replace_folder",
     "save_state_dict",
+    "staging_folder",
 ]
 
 CONFIG_NAME = "config.json"
@@ -56,6 +62,25 @@ _WEIGHT_SUFFIXES = (
     ".msgpack",
     ".gguf",
     ".onnx",
+)
+# What `CheckpointWriter.copy_aux` copies from a source folder (lower-case shell patterns of top-level names).
+SERVING_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+    "*.jinja",
+    "generation_config.json",
+    "*.py",
+    "readme*",
+    "license*",
+    "licence*",
+    "notice*",
+    "use_policy*",
 )
 _WEIGHT_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -97,14 +122,15 @@ class CheckpointError(ValueError):
 
 
 class _TensorInfo:
-    """Header entry of one tensor: dtype string, shape and byte size."""
+    """Header entry of one tensor: dtype string, shape, byte size and where its bytes start in the file."""
 
-    __slots__ = ("dtype", "nbytes", "shape")
+    __slots__ = ("dtype", "nbytes", "offset", "shape")
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, offset: int) -> None:
         self.dtype = dtype
         self.shape = shape
         self.nbytes = nbytes
+        self.offset = offset
 
 
 def _read_header(path: Path) -> dict[str, _TensorInfo]:
@@ -145,7 +171,7 @@ def _read_header(path: Path) -> dict[str, _TensorInfo]:
                 f"{path}: tensor {name!r} data [{begin}, {end}) lies outside the file's "
                 f"{data_size} data bytes (truncated file?)"
             )
-        infos[name] = _TensorInfo(dtype, shape, end - begin)
+        infos[name] = _TensorInfo(dtype, shape, end - begin, 8 + header_len + begin)
     return infos
 
 
@@ -325,6 +351,26 @@ class CheckpointReader:
         """Sum of the stored byte sizes of all tensors (reads every shard header)."""
         return sum(self._info(name).nbytes for name in self._weight_map)
 
+    def digest(self, name: str) -> str:
+        """sha256 (hex) of tensor ``name``'s stored bytes, with its dtype and shape: what a resumed run compares
+        to know the tensor is the one an earlier run read. Read straight from the file, in 16 MiB blocks."""
+        info = self._info(name)
+        h = hashlib.sha256(f"{info.dtype}:{list(info.shape)}:".encode())
+        path = self.path / self._shard_of(name)
+        try:
+            with path.open("rb") as f:
+                f.seek(info.offset)
+                left = info.nbytes
+                while left:
+                    block = f.read(min(left, 1 << 24))
+                    if not block:
+                        raise CheckpointError(f"{path}: tensor {name!r} is cut short (truncated file?)")
+                    h.update(block)
+                    left -= len(block)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
+        return h.hexdigest()
+
     def config(self) -> dict[str, Any]:
         """Parsed ``config.json`` (cached; a copy is returned)."""
         if self._config is None:
@@ -436,6 +482,65 @@ def _dir_is_nonempty(path: Path) -> bool:
     return any(path.iterdir())
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove the temporary folders that killed writers of ``out_dir`` left beside it (``.NAME.tmp-PID-*`` whose
+    process is gone); returns what was removed."""
+    removed = []
+    parent = out_dir.parent
+    if not parent.is_dir():
+        return removed
+    prefix = f".{out_dir.name}.tmp-"
+    for entry in parent.iterdir():
+        if not entry.name.startswith(prefix) or not entry.is_dir():
+            continue
+        pid = entry.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def staging_folder(out_dir: Path) -> Path:
+    """A new temporary folder beside ``out_dir`` (``.NAME.tmp-PID-*``), with the permissions of a folder made by
+    ``mkdir`` under the current umask (``mkdtemp`` alone gives 0700: a server running as another user could not
+    read the export). Leftovers of killed writers of the same output are removed first."""
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
+def replace_folder(tmp: Path, out_dir: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``out_dir``; an existing ``out_dir`` is removed only once the new one
+    is in place (it is restored if the rename fails)."""
+    if out_dir.exists() or out_dir.is_symlink():
+        backup = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-{os.getpid()}-", dir=out_dir.parent))
+        backup.rmdir()
+        os.replace(out_dir, backup)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            os.replace(backup, out_dir)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
 class CheckpointWriter:
     """Write a sharded safetensors checkpoint atomically.
 
@@ -488,9 +593,7 @@ class CheckpointWriter:
         if self._tmp is not None:
             raise CheckpointError(f"CheckpointWriter for {self.out_dir} cannot be entered twice")
         self._check_target()
-        parent = self.out_dir.parent
-        parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-{os.getpid()}-", dir=parent))
+        self._tmp = staging_folder(self.out_dir)
         return self
 
     def __exit__(
@@ -579,50 +682,30 @@ class CheckpointWriter:
         return self.out_dir.joinpath(*rel.parts)
 
     def copy_aux(self, src_dir: str | Path) -> list[str]:
-        """Copy every non-weight file of checkpoint folder ``src_dir`` into the output.
+        """Copy the files of checkpoint folder ``src_dir`` that a serving engine and a model card need.
 
-        Copies tokenizer files, generation config, remote-code ``*.py`` files, templates, README
-        and anything else, recursing into sub-folders; skips weights (``*.safetensors``, ``*.bin``,
-        ``*.pt``, ``*.pth`` and other weight formats), weight indexes, the top-level
-        ``config.json`` and hidden entries (names starting with ``.``). Files are only copied,
-        never imported or run. Files already written with `write_json` are not replaced. Returns
-        the copied relative paths, sorted.
+        Top-level files matching `SERVING_FILES` (tokenizer and template files, generation config, remote-code
+        ``*.py``, README and licence files); weights, weight indexes, ``config.json``, hidden files and
+        anything else (held-out data, training logs, earlier reports) stay behind. Files are only copied, never
+        imported or run. Files already written with `write_json` are not replaced. Returns the copied names,
+        sorted.
         """
         src = Path(src_dir)
         if not src.is_dir():
             raise CheckpointError(f"auxiliary source folder {src} does not exist or is not a folder")
-        tmp = self.tmp_dir
         copied: list[str] = []
-        seen_dirs: set[Path] = set()
-
-        def walk(folder: Path, rel_parent: PurePosixPath) -> None:
-            real = folder.resolve()
-            if real in seen_dirs:
-                return
-            seen_dirs.add(real)
-            for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-                if entry.name.startswith("."):
-                    continue
-                rel = rel_parent / entry.name
-                if entry.is_dir():
-                    walk(entry, rel)
-                    continue
-                if not entry.is_file():
-                    continue
-                if _is_weight_file(rel) or rel.as_posix() == CONFIG_NAME:
-                    continue
-                if rel.as_posix() in self._extra_files:
-                    continue
-                dest = tmp.joinpath(*rel.parts)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    shutil.copyfile(entry, dest)
-                except OSError as exc:
-                    raise CheckpointError(f"cannot copy {entry} to the output: {exc}") from exc
-                copied.append(rel.as_posix())
-
-        walk(src, PurePosixPath())
-        return sorted(copied)
+        for entry in sorted(src.iterdir(), key=lambda p: p.name):
+            name = entry.name
+            if name.startswith(".") or not entry.is_file() or name == CONFIG_NAME or name in self._extra_files:
+                continue
+            if _is_weight_file(PurePosixPath(name)) or not any(fnmatch(name.lower(), p) for p in SERVING_FILES):
+                continue
+            try:
+                shutil.copyfile(entry, self.tmp_dir / name)
+            except OSError as exc:
+                raise CheckpointError(f"cannot copy {entry} to the output: {exc}") from exc
+            copied.append(name)
+        return copied
 
     # -- finishing ---------------------------------------------------------------------------
 
@@ -651,20 +734,9 @@ class CheckpointWriter:
         self._closed = True
 
     def _move_into_place(self, tmp: Path) -> None:
-        out = self.out_dir
-        if out.exists() or out.is_symlink():
+        if self.out_dir.exists() or self.out_dir.is_symlink():
             self._check_target()  # the folder may have appeared after the writer was created
-            backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
-            backup.rmdir()
-            os.replace(out, backup)
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(backup, out)
-                raise
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_folder(tmp, self.out_dir)
 
     def abort(self) -> None:
         """Discard everything written so far; the output folder is not touched."""

@@ -33,6 +33,55 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def require_finite(reader: CheckpointReader, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (read as ``name``) unchanged, or a `CheckpointError` naming it and its first NaN/Inf entry."""
+    if not tensor.is_floating_point():
+        return tensor
+    values = tensor if tensor.dtype.itemsize > 1 else tensor.float()  # float8: isfinite needs a wider type
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        count = int(bad.sum())
+        file = reader.path / reader.shard_of(name) if name in reader else reader.path
+        raise CheckpointError(
+            f"{file}: tensor {name} holds NaN or Inf ({count} value(s), the first at "
+            f"{where}): the checkpoint is damaged"
+        )
+    return tensor
+
+
+def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
+    """Check a bf16 source from its config and safetensors headers alone (no tensor data is read): a SALA
+    config, no ``quantization_config``, every tensor the layout implies present with its shape and a float dtype.
+    About a second for the full model; the quantizers run it before any data or model work."""
+    config = SalaConfig.from_file(path)
+    reader = CheckpointReader(path)
+    qc = reader.config().get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise CheckpointError(
+            f"{reader.path}/config.json: the checkpoint is already quantized (quantization_config.quant_method "
+            f"{method!r}): pass the bf16 source"
+        )
+    for name, shape in parameter_shapes(config).items():
+        if name not in reader:
+            raise CheckpointError(f"{reader.path}: tensor {name} is missing")
+        if tuple(reader.shape(name)) != shape:
+            raise CheckpointError(
+                f"{reader.path / reader.shard_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
+                f"expected {list(shape)} from config.json"
+            )
+        if reader.dtype(name) not in SOURCE_DTYPES:
+            raise CheckpointError(
+                f"{reader.path / reader.shard_of(name)}: tensor {name} has dtype {reader.dtype(name)}, expected "
+                "bfloat16, float16 or float32"
+            )
+    return reader, config
+
+
 def _fill(
     module: nn.Module,
     prefix: str,
@@ -48,7 +97,7 @@ def _fill(
         if full not in shapes:
             raise CheckpointError(f"internal: module parameter {full} has no entry in the SALA layout")
         tensor = _read_weight(reader, full, shapes[full])
-        state[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        state[name] = require_finite(reader, full, tensor.to(device=device, dtype=dtype or tensor.dtype))
     for name in module.state_dict():  # tied parameters appear once above, twice in the state dict
         if name not in state and name == "lm_head.weight":
             state[name] = state["model.embed_tokens.weight"]
@@ -153,4 +202,4 @@ def load_global(
     if name not in shapes:
         raise CheckpointError(f"{name} is not a global tensor of a SALA checkpoint ({sorted(shapes)})")
     tensor = reader.get_checked(name, shapes[name])
-    return tensor.to(device=device, dtype=resolve_dtype(dtype) or tensor.dtype)
+    return require_finite(reader, name, tensor.to(device=device, dtype=resolve_dtype(dtype) or tensor.dtype))

@@ -145,13 +145,17 @@ class SalaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Decoding with the cache: prefill once, then one token per step, chosen as ``sampling`` says (greedy by
         default; ``generator`` makes sampling reproducible). Stops early once every row has produced
-        ``eos_token_id`` (kept in the output; rows that finished first are padded with it)."""
+        ``eos_token_id`` (kept in the output; rows that finished first are padded with it). NaN/Inf logits at any
+        step raise `NonFiniteLogits` once decoding ends (tracked on the device: no synchronisation per token), so
+        a damaged checkpoint never yields text that looks like an answer."""
         sampling = sampling or Sampling()
         cache = self.new_cache()
         out = self(input_ids, cache=cache, attention_mode=attention_mode)
         tokens = [input_ids]
+        finite = []
         done = torch.zeros(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
+            finite.append(torch.isfinite(out.logits[:, -1]).all())
             nxt = next_token(out.logits[:, -1], sampling, generator)
             if eos_token_id is not None:
                 nxt = nxt.masked_fill(done, eos_token_id)
@@ -160,11 +164,18 @@ class SalaForCausalLM(nn.Module):
             if (eos_token_id is not None and bool(done.all())) or step == max_new_tokens - 1:
                 break
             out = self(nxt, cache=cache, attention_mode=attention_mode)
+        if finite and not bool(torch.stack(finite).all()):
+            step = int((~torch.stack(finite)).nonzero()[0])
+            raise NonFiniteLogits(f"the model gives NaN/Inf logits at generated token {step}")
         return torch.cat(tokens, dim=1)
 
     def greedy(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str | None = None) -> torch.Tensor:
         """Greedy decoding with the cache: prefill once, then one token per step."""
         return self.generate(input_ids, max_new_tokens, attention_mode=attention_mode)
+
+
+class NonFiniteLogits(RuntimeError):
+    """Decoding met NaN/Inf logits (a damaged checkpoint or numerics gone wrong)."""
 
 
 def init_weights(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:

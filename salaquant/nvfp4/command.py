@@ -15,9 +15,11 @@ from rich.table import Table
 from ..calibration import CalibOptions
 from ..check import check_checkpoint
 from ..export import export_checkpoint
-from ..model.config import SalaConfig
+from ..outputs import work_dir_for
 from ..pipeline import CalibrationEngine, EngineOptions
-from ..workflow import check_output, prepare_calibration, run_report, work_dir_for
+from ..summary import summarize
+from ..work_folder import guarded_run
+from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .config import flat_quantization_config, hf_quant_config
 from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
 from .plan import build_nvfp4_plan
@@ -66,54 +68,58 @@ def run_nvfp4(
     console: Console,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    check_output(output, run.overwrite, run.resume)
-    config = SalaConfig.from_file(model)
+    _, config = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     plan = build_nvfp4_plan(config, run.dense_all, run.exclude)  # bad exclusions fail before any work
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     exclude_modules = plan.exclude_modules(config)
-    data = prepare_calibration(model, sources, calib, console)
-    settings = {
-        "method": "nvfp4",
-        "dense_all": run.dense_all,
-        "exclude": list(run.exclude),
-        "nvfp4": dataclasses.asdict(layer),
-        "calibration": dataclasses.asdict(calib),
-    }
-    engine_opts = EngineOptions(
-        device=run.device,
-        chunk_tokens=run.chunk_tokens,
-        propagate=run.propagate,
-        hessian=False,
-        show_progress=run.show_progress,
-    )
-    engine = CalibrationEngine(model, [s.ids for s in data.samples], work_dir_for(output), engine_opts, settings)
-    t0 = time.perf_counter()
-    result = engine.run(NVFP4LayerQuantizer(config, plan, layer), resume=run.resume)
-    engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
-    t_calib = time.perf_counter() - t0
-    table, summary = _summary(result.reports)
-    console.print(table)
-    qconfig = flat_quantization_config(exclude_modules)
-    report = run_report(engine, data, result, t_calib, summary)
-    export_checkpoint(
-        model,
-        output,
-        result,
-        qconfig,
-        {
-            "hf_quant_config.json": hf_quant_config(exclude_modules),
-            "quant_report.json": report,
-            "salaquant_settings.json": settings,
-            **(extra_files or {}),
-        },
-        max_shard_bytes=run.max_shard_bytes,
-        overwrite=run.overwrite,
-    )
-    check = check_checkpoint(output)
-    shutil.rmtree(work_dir_for(output), ignore_errors=True)
-    console.print(
-        f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
-        f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
-    )
+    work = work_dir_for(output)
+    with guarded_run(work, resume=run.resume, overwrite=run.overwrite):
+        data = prepare_calibration(model, sources, calib, console)
+        sizes = summarize(config)
+        size = sizes.nvfp4_dense_all_bytes if run.dense_all else sizes.nvfp4_default_bytes
+        check_run_space(output, config, size, data.total_tokens, size)
+        settings = {
+            "method": "nvfp4",
+            "dense_all": run.dense_all,
+            "exclude": list(run.exclude),
+            "nvfp4": dataclasses.asdict(layer),
+            "calibration": dataclasses.asdict(calib),
+        }
+        engine_opts = EngineOptions(
+            device=run.device,
+            chunk_tokens=run.chunk_tokens,
+            propagate=run.propagate,
+            hessian=False,
+            show_progress=run.show_progress,
+        )
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings)
+        t0 = time.perf_counter()
+        result = engine.run(NVFP4LayerQuantizer(config, plan, layer), resume=run.resume)
+        engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
+        t_calib = time.perf_counter() - t0
+        table, summary = _summary(result.reports)
+        console.print(table)
+        qconfig = flat_quantization_config(exclude_modules)
+        report = run_report(engine, data, result, t_calib, summary)
+        export_checkpoint(
+            model,
+            output,
+            result,
+            qconfig,
+            {
+                "hf_quant_config.json": hf_quant_config(exclude_modules),
+                "quant_report.json": report,
+                "salaquant_settings.json": settings,
+                **(extra_files or {}),
+            },
+            max_shard_bytes=run.max_shard_bytes,
+            overwrite=run.overwrite,
+        )
+        check = check_checkpoint(output)
+        shutil.rmtree(work, ignore_errors=True)
+        console.print(
+            f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
+            f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
+        )
     return output

@@ -10,7 +10,7 @@ from torch import nn
 from ..model.checkpoint import CheckpointReader
 from ..model.config import SalaConfig
 from ..model.layout import parameter_shapes
-from ..model.loading import _check_keys, resolve_dtype
+from ..model.loading import _check_keys, require_finite, resolve_dtype
 from ..model.modeling import SalaForCausalLM
 from .linear import GPTQLinear, NVFP4Linear
 
@@ -71,6 +71,10 @@ def load(
         model = SalaForCausalLM(config)
     qc = reader.config().get("quantization_config") or {}
     state: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:  # every float tensor is checked: a NaN scale must not load silently
+        return require_finite(reader, name, reader.get(name, device))
+
     for name in shapes:
         module_name = name.removesuffix(".weight")
         if fmt == "gptq" and f"{module_name}.qweight" in reader:
@@ -82,8 +86,8 @@ def load(
                 model,
                 module_name,
                 GPTQLinear(
-                    reader.get(f"{module_name}.qweight", device),
-                    reader.get(f"{module_name}.scales", device),
+                    get(f"{module_name}.qweight"),
+                    get(f"{module_name}.scales"),
                     plan.bits,
                     plan.group_size,
                     backend,
@@ -94,14 +98,16 @@ def load(
                 model,
                 module_name,
                 NVFP4Linear(
-                    reader.get(name, device),
-                    reader.get(f"{module_name}.weight_scale", device),
-                    reader.get(f"{module_name}.weight_scale_2", device),
+                    get(name),
+                    get(f"{module_name}.weight_scale"),
+                    get(f"{module_name}.weight_scale_2"),
                     backend,
                 ),
             )
         else:
-            state[name] = reader.get_checked(name, shapes[name]).to(device=device, dtype=dt)
+            state[name] = require_finite(
+                reader, name, reader.get_checked(name, shapes[name]).to(device=device, dtype=dt)
+            )
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)

@@ -1,0 +1,99 @@
+"""Where a command writes: the refusals made before any work, and the free-space check.
+
+Every command that writes a folder checks, before it reads a tensor or a calibration record: that the output
+is not the input, inside it or around it (paths resolved, symlinks followed); that it is not a file and does
+not lie below one; that its parent's file system takes writes (a real probe, so a read-only mount or a
+missing permission is caught, also for root); and that an existing non-empty output is only replaced with
+``--overwrite``. Each refusal is one `OutputError` naming the path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .summary import human_bytes
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written as asked (named in the message)."""
+
+
+def work_dir_for(output: Path) -> Path:
+    """Where an unfinished run keeps its state (next to the output, removed when the output is complete)."""
+    return Path(f"{output}.work")
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def check_no_overlap(output: Path, inputs: Sequence[tuple[str, Path]], flag: str = "--output") -> None:
+    """Refuse an output (or its work folder) that is an input, lies inside one or contains one."""
+    out, work = _real(output), _real(work_dir_for(output))
+    for what, path in inputs:
+        src = _real(path)
+        if out == src:
+            raise OutputError(f"{flag} {output} is the {what} {path}: writing it would destroy the input")
+        if out.is_relative_to(src):
+            raise OutputError(f"{flag} {output} lies inside the {what} {path}: choose a folder outside it")
+        if src.is_relative_to(out) or src.is_relative_to(work):
+            raise OutputError(f"{flag} {output} contains the {what} {path}: replacing it would destroy the input")
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable_folder(output: Path, flag: str = "--output") -> None:
+    """Refuse an output that is a file, lies below a file, or whose parent's file system refuses writes."""
+    if output.is_symlink() and not output.is_dir():
+        raise OutputError(f"{flag} {output} is a symlink to something that is not a folder")
+    if output.exists() and not output.is_dir():
+        raise OutputError(f"{flag} {output} is a file, not a folder: pass a folder path (--overwrite replaces folders)")
+    anchor = nearest_existing(output.parent)
+    if not anchor.is_dir():
+        raise OutputError(f"{flag} {output} cannot be created: {anchor} is a file, not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=".salaquant-probe-", dir=anchor)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise OutputError(f"{flag} {output}: cannot write in {anchor} ({exc.strerror or exc})") from exc
+
+
+def check_output(output: Path, overwrite: bool, resume: bool, inputs: Sequence[tuple[str, Path]] = ()) -> None:
+    """All the refusals of the module doc, then: a non-empty output without ``overwrite``, ``resume`` without a
+    work folder, an unfinished work folder with neither ``resume`` nor ``overwrite``."""
+    check_no_overlap(output, inputs)
+    check_writable_folder(output)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise OutputError(f"{output} exists and is not empty: pass --overwrite to replace it")
+    work = work_dir_for(output)
+    if resume and not work.exists():
+        raise OutputError(f"--resume: no work folder {work} to resume from")
+    if not resume and not overwrite and (work / "state.json").exists():
+        raise OutputError(
+            f"{work} holds an unfinished run: rerun with --resume to continue it, or with --overwrite to discard it "
+            "and start over"
+        )
+
+
+def check_free_space(output: Path, parts: dict[str, int]) -> None:
+    """Refuse to start when the file system of ``output`` has less free space than ``parts`` add up to
+    (named sizes, e.g. the export and the work folder)."""
+    needed = sum(parts.values())
+    anchor = nearest_existing(output.parent)
+    free = shutil.disk_usage(anchor).free
+    if free < needed:
+        detail = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+        raise OutputError(
+            f"not enough free space for {output}: the run needs about {human_bytes(needed)} ({detail}), "
+            f"{anchor} has {human_bytes(free)} free"
+        )

@@ -1,0 +1,94 @@
+"""The work folder of a run: one run at a time (a lock), and what is kept when a run stops early.
+
+`guarded_run` wraps a whole command (calibration, export, removal of the work folder). It takes an exclusive
+lock on ``WORK/lock`` (a second run of the same output is refused, naming the first one's pid), discards an
+unfinished work folder when the user asked to start over (``--overwrite`` without ``--resume``), and when the
+run stops early says what was kept: a work folder holding no finished layer is removed; one holding finished
+layers is kept, and the message says how to continue from it or start over. Ctrl-C becomes `RunInterrupted`
+carrying that message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from .outputs import OutputError
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says what was kept and how to resume."""
+
+
+def finished_layers(work: Path) -> tuple[int, int | None]:
+    """(finished layers, layers) recorded in ``work/state.json``; (0, None) when there is none."""
+    try:
+        state = json.loads((work / "state.json").read_text())
+        return int(state.get("finished", 0)), state.get("num_layers")
+    except (OSError, ValueError):
+        return 0, None
+
+
+@contextlib.contextmanager
+def _lock(work: Path) -> Iterator[None]:
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise OutputError(
+                f"another salaquant run (pid {holder}) is using {work}: wait for it to finish or stop it"
+            ) from None
+        if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
+            raise OutputError(f"{work} was removed by another run while this one started: run the command again")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _kept(work: Path) -> str:
+    """What remains of a run that stopped early, and the work folder removed when nothing is worth keeping."""
+    done, total = finished_layers(work)
+    if done == 0:
+        shutil.rmtree(work, ignore_errors=True)
+        return f"nothing was kept ({work} removed)"
+    if total is not None and done >= total:
+        return (
+            f"all {total} calibrated layers are kept in {work}: rerun the same command with --resume to export "
+            "without calibrating again, or with --overwrite to start over"
+        )
+    return (
+        f"{done} of {total} finished layers are kept in {work}: rerun the same command with --resume to continue "
+        "from there, or with --overwrite to start over"
+    )
+
+
+@contextlib.contextmanager
+def guarded_run(work: Path, *, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Hold the lock of ``work`` around a run; see the module doc for what happens when it stops early."""
+    with _lock(work):
+        if overwrite and not resume and (work / "state.json").exists():
+            for entry in work.iterdir():
+                if entry.name != "lock":
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        try:
+            yield
+        except KeyboardInterrupt:
+            raise RunInterrupted(f"interrupted: {_kept(work)}") from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename is not None else ""
+            raise RuntimeError(f"{where}{exc.strerror or exc}; {_kept(work)}") from exc
+        except (ValueError, RuntimeError) as exc:
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (f"{exc.args[0]}; {_kept(work)}", *exc.args[1:])
+            raise
