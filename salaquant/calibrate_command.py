@@ -47,7 +47,6 @@ def run_calibrate(
             hessian=True,
             hessian_dtype=hessian_dtype,
             save_hessians=hessian,
-            lm_head_stats=False,
         )
         engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts)
         result = engine.run(resume=resume)

@@ -22,6 +22,7 @@ from .gptq.dynamic import first_match, fused_name, resolve
 from .model.checkpoint import CheckpointError, CheckpointReader
 from .model.config import LIGHTNING, ConfigError, SalaConfig, normalize_mixer
 from .model.layout import parameter_shapes
+from .serving import LM_HEAD_REFUSAL, serving_lines
 
 __all__ = [
     "CHECKERS",
@@ -74,6 +75,7 @@ class CheckReport:
     quantized: list[str] = field(default_factory=list)
     unquantized: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    serving: list[str] = field(default_factory=list)  # how SGLang serves it and on which GPUs
 
 
 Checker = Callable[[CheckpointReader, dict[str, Any], int], CheckReport]
@@ -109,7 +111,9 @@ def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
         raise CheckError(f"unsupported quant_method {method!r} (checkers exist for: {known})")
     with reader:
         _fail(config_problems(reader, config), f"{reader.path}: tensors against config.json")
-        return checker(reader, config, tp)
+        report = checker(reader, config, tp)
+    report.serving = serving_lines(str(path), method, tp)
+    return report
 
 
 def config_problems(reader: CheckpointReader, config: dict[str, Any]) -> list[str]:
@@ -414,6 +418,9 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
     gs: int = qc["group_size"]
     desc_act: bool = qc["desc_act"]
     lm_head_flag: bool = qc.get("lm_head", False)
+    if lm_head_flag or "lm_head.qweight" in reader:
+        what = "lm_head=true" if lm_head_flag else "lm_head.qweight"
+        errors.append(f"lm_head: quantized ({what}); {LM_HEAD_REFUSAL}")
 
     side = reader.path / "quantize_config.json"
     if side.is_file():
@@ -497,7 +504,7 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
                     errors.append(
                         f"{module}.weight: stored as plain {reader.dtype(module + '.weight')} but the config quantizes "
                         f"{module} (no negative dynamic rule matches); SGLang builds a GPTQ layer and fails with "
-                        f"KeyError: '{module}.weight'; {fix}"
+                        f"KeyError: '{fused_name(module) or module}.weight'; {fix}"
                     )
                 else:
                     errors.append(f"{module}: no qweight (the config quantizes it)")

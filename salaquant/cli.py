@@ -257,7 +257,7 @@ def gptq_command(
     method: Annotated[str, typer.Option(help="gptq, or rtn (round to nearest on the same grid: the baseline).")] = (
         "gptq"
     ),
-    quantize_lm_head: Annotated[bool, typer.Option(help="Quantize lm_head too.")] = False,
+    quantize_lm_head: Annotated[bool, typer.Option(help="Refused: no engine serves a quantized lm_head.")] = False,
     propagate: Propagate = "quantized",
     chunk_tokens: ChunkTokens = 8192,
     device: Device = "auto",
@@ -629,6 +629,8 @@ def check(
         f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
         f"{len(report.unquantized)} kept in 16 bits"
     )
+    for line in report.serving:
+        console.print(line, markup=False, highlight=False)
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}")
 

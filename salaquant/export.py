@@ -5,12 +5,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .model.checkpoint import CheckpointReader, CheckpointWriter
 from .model.config import SalaConfig
 from .model.layout import global_parameter_shapes
 from .pipeline import EngineResult
+from .serving import SGLANG_VERSION, serving_lines
+
+
+def model_card(quant_method: str, source_card: str) -> str:
+    """The export's README: how to serve it and on which GPUs, then the source model's card (its YAML front
+    matter, which model hubs read, stays first). Nothing in it depends on where the export is written, so the
+    same settings give the same bytes."""
+    front = ""
+    if source_card.startswith("---\n") and "\n---\n" in source_card[4:]:
+        end = source_card.index("\n---\n", 4) + 5
+        front, source_card = source_card[:end], source_card[end:]
+    lines = [
+        f"# MiniCPM-SALA, {quant_method} (salaquant)",
+        "",
+        f"A `{quant_method}` quantization of a MiniCPM-SALA checkpoint, written by salaquant "
+        f"for SGLang {SGLANG_VERSION}; lm_head and embeddings are bf16.",
+        "",
+        *[f"- {line}" for line in serving_lines("THIS_FOLDER", quant_method)],
+        "",
+    ]
+    if source_card.strip():
+        lines += ["## The source model", "", source_card.strip(), ""]
+    return front + "\n".join(lines)
 
 
 def export_checkpoint(
@@ -20,13 +41,14 @@ def export_checkpoint(
     qconfig: dict[str, Any],
     extra_files: dict[str, Any],
     *,
-    lm_head_tensors: dict[str, torch.Tensor] | None = None,
     max_shard_bytes: int = 4 * 10**9,
     overwrite: bool = False,
 ) -> Path:
-    """Embeddings, final norm and (unless quantized) lm_head from the source; every decoder layer from the
-    engine's work folder; ``config.json`` with ``quantization_config``; tokenizer and remote-code files;
-    ``extra_files`` (format configs, reports, resolved settings) as JSON, or as text when given a string."""
+    """Embeddings, final norm and lm_head (bf16) from the source; every decoder layer from the engine's work
+    folder; ``config.json`` with every architecture key stated (so an engine's defaults cannot differ from the
+    values the model was quantized with) and ``quantization_config``; tokenizer and remote-code files; the model
+    card with how to serve the export; ``extra_files`` (format configs, reports, resolved settings) as JSON, or
+    as text when given a string."""
     reader = CheckpointReader(source)
     config = SalaConfig.from_dict(reader.config())
     shapes = global_parameter_shapes(config)
@@ -39,12 +61,9 @@ def export_checkpoint(
             for name, tensor in result.layer_tensors(i).items():
                 writer.add(f"model.layers.{i}.{name}", tensor)
         writer.add("model.norm.weight", reader.get_checked("model.norm.weight", shapes["model.norm.weight"]))
-        if lm_head_tensors:
-            for name, tensor in lm_head_tensors.items():
-                writer.add(f"lm_head.{name}", tensor)
-        elif "lm_head.weight" in shapes:
+        if "lm_head.weight" in shapes:
             writer.add("lm_head.weight", reader.get_checked("lm_head.weight", shapes["lm_head.weight"]))
-        raw = reader.config()
+        raw = config.to_dict()
         raw["quantization_config"] = qconfig
         raw.setdefault("torch_dtype", "bfloat16")
         writer.write_json("config.json", raw)
@@ -54,6 +73,9 @@ def export_checkpoint(
             else:
                 writer.write_json(name, obj)
         writer.copy_aux(source)
+        card = writer.tmp_dir / "README.md"
+        source_card = card.read_text(encoding="utf-8") if card.is_file() else ""
+        card.write_text(model_card(qconfig["quant_method"], source_card), encoding="utf-8")
         log = result.work_dir / "log.txt"
         if log.exists():
             (writer.tmp_dir / "quantize.log").write_text(log.read_text())

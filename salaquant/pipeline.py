@@ -39,7 +39,6 @@ from .host_memory import empty_pinned_cache
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
 from .model.config import LIGHTNING, SalaConfig
-from .model.layers import RMSNorm
 from .model.layout import InputGroup, global_parameter_shapes, input_groups
 from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
@@ -48,8 +47,6 @@ from .safetensors_stream import write_safetensors
 from .stats import GroupStats, LayerStats
 
 log = logging.getLogger("salaquant.pipeline")
-
-LM_HEAD_GROUP = "lm_head"
 
 
 class ResumeError(RuntimeError):
@@ -68,7 +65,6 @@ class EngineOptions:
     hessian: bool = True
     hessian_dtype: str = "fp32"  # or "fp64"
     tf32: bool = False  # TF32 for fp32 activations too (~1e-3 relative error); 16-bit ones always use it, exactly
-    lm_head_stats: bool = False
     save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
     show_progress: bool = True
     pin_memory: bool = True
@@ -101,7 +97,6 @@ class EngineResult:
     work_dir: Path
     num_layers: int
     reports: list[dict[str, Any]]
-    lm_head_stats: GroupStats | None
     timings: dict[str, float]
     tokens: int
     layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
@@ -463,7 +458,6 @@ class CalibrationEngine:
                 writer.submit(self._persist_layer, i, files, hs)
                 timings["save"] += time.perf_counter() - t0
                 progress.layer_done(i)
-            lm_stats = self._lm_head_stats(hs) if self.opts.lm_head_stats else None
             t0 = time.perf_counter()
             writer.drain()
             timings["save"] += time.perf_counter() - t0
@@ -476,7 +470,7 @@ class CalibrationEngine:
             path = self.work_dir / "layers" / f"{i:03d}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else {})
         self.final_hidden = hs
-        return EngineResult(self.work_dir, n_layers, reports, lm_stats, timings, total_tokens, layer_seconds)
+        return EngineResult(self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds)
 
     def _layer(
         self,
@@ -572,18 +566,3 @@ class CalibrationEngine:
         if (i + 1) % self.opts.resume_every == 0 or i + 1 == self.config.num_hidden_layers:
             self._save_hidden(hs)
             self._write_state(i + 1)
-
-    @torch.no_grad()
-    def _lm_head_stats(self, hs: list[torch.Tensor]) -> GroupStats:
-        """Statistics of the lm_head input ``norm(h) / (hidden_size / dim_model_base)``."""
-        cfg = self.config
-        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(self.device)
-        norm.weight.data = self._load_global("model.norm.weight")
-        dtype = torch.float64 if self.opts.hessian_dtype == "fp64" else torch.float32
-        st = GroupStats(cfg.hidden_size, device=self.device, dtype=dtype, hessian=self.opts.hessian)
-        for h in hs:
-            for start in range(0, h.shape[1], self.opts.chunk_tokens):
-                x = h[:, start : start + self.opts.chunk_tokens].to(self.device)
-                st.update(norm(x) / cfg.logit_divisor)
-            st.end_sample()
-        return st

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .serving import LM_HEAD_REFUSAL
+
 GPTQ_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 NVFP4_GROUPS = ("attn_in", "attn_out", "mlp_in")
 SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
@@ -76,7 +78,7 @@ class GPTQSection(_Section):
     mse: bool = True
     fp64: bool = False
     hessian_weighting: Literal["samples", "tokens"] = "samples"
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool = Field(False, description="refused when true: no engine serves a quantized lm_head")
 
 
 class NVFP4Section(_Section):
@@ -254,6 +256,15 @@ def _consistency(recipe: Recipe) -> list[dict[str, Any]]:
                     "msg": f"{g!r} is not a {recipe.method} smoothing group {list(allowed)}",
                 }
             )
+    if recipe.gptq.quantize_lm_head:
+        errors.append(
+            {
+                "loc": ("gptq", "quantize_lm_head"),
+                "type": "value_error",
+                "input": True,
+                "msg": LM_HEAD_REFUSAL,
+            }
+        )
     fmt = recipe.export.checkpoint_format
     if fmt is not None and fmt != ("modelopt" if recipe.method == "nvfp4" else "gptq"):
         errors.append(

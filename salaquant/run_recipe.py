@@ -139,7 +139,6 @@ def _quantize(
             device=e.device,
             chunk_tokens=e.chunk_tokens,
             propagate=e.propagate,
-            quantize_lm_head=g.quantize_lm_head,
             tp=recipe.export.tp,
             max_shard_bytes=parse_size(recipe.export.shard_size),
             resume=resume,

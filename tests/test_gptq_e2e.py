@@ -162,29 +162,24 @@ def test_marlin_incompatible_plan_fails_early(tmp_path: Path) -> None:
         )
 
 
-def test_quantized_lm_head(tmp_path: Path) -> None:
+def test_quantized_lm_head_refused_before_any_work(tmp_path: Path) -> None:
+    """No engine serves SALA with a quantized lm_head: the flag and the recipe key are refused up front."""
+    from typer.testing import CliRunner
+
+    from salaquant.cli import app
+
     out = tmp_path / "lm"
-    run_gptq(
-        MODEL,
-        out,
-        [CALIB],
-        CalibOptions(max_samples=2, max_len=256),
-        BitsOptions(bits=8),
-        GPTQLayerOptions(),
-        RunOptions(device="cpu", show_progress=False, quantize_lm_head=True),
-        QUIET,
-    )
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["lm_head"] is True and qc["bits"] == 8
-    reader = CheckpointReader(out)
-    assert "lm_head.qweight" in reader and "lm_head.weight" not in reader
-    assert "model.layers.0.self_attn.q_proj.weight" in reader  # marlin fallback for the 16-wide k/v
-    report = json.loads((out / "quant_report.json").read_text())
-    assert 0 < report["lm_head"]["rel_err"] < 1e-3  # 8-bit
-    assert "lm_head" in check_checkpoint(out).quantized
-    ids = torch.randint(3, 4096, (1, 40), generator=torch.Generator().manual_seed(1))
-    src = load_model(MODEL)(ids).logits
-    assert (load_model(out)(ids).logits - src).abs().max() < 0.05 * src.abs().max()
+    args = ["gptq", "-i", str(MODEL), "-o", str(out), "--calib", CALIB, "--quantize-lm-head"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "--quantize-lm-head" in result.output and "KeyError: 'lm_head.g_idx'" in result.output
+    assert not out.exists()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: gptq\ngptq:\n  quantize_lm_head: true\n")
+    result = CliRunner().invoke(app, ["run", str(recipe), "-i", str(MODEL), "-o", str(out), "--calib", CALIB])
+    assert result.exit_code == 2, result.output
+    assert f"{recipe}:3" in result.output and "lm_head" in result.output
+    assert not out.exists()
 
 
 def test_plan_errors() -> None:

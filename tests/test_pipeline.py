@@ -229,11 +229,10 @@ def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> Non
 
 
 def test_stats_definitions(tiny_ckpt: Path, tmp_path: Path) -> None:
-    """Per-sample-normalised Hessian, mean x^2 and absmax against their definitions, lm_head input too."""
+    """Per-sample-normalised Hessian, mean x^2 and absmax against their definitions."""
     samples = _samples([40, 10])
-    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "w", _opts(propagate="float", lm_head_stats=True))
+    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "w", _opts(propagate="float"))
     res = engine.run()
-    cfg = SalaConfig.from_file(tiny_ckpt)
     model = load_model(tiny_ckpt)
     xs = []
     mod = model.model.layers[1].mlp.down_proj
@@ -249,10 +248,6 @@ def test_stats_definitions(tiny_ckpt: Path, tmp_path: Path) -> None:
     allx = torch.cat(xs)
     assert torch.allclose(t["mlp_out.sumsq"] / 50, (allx**2).mean(0), rtol=1e-9)
     assert torch.equal(t["mlp_out.absmax"], allx.abs().amax(0).float())
-    finals = [model.model.norm(h) / cfg.logit_divisor for h in engine.final_hidden]
-    expect = torch.stack([f.abs().amax((0, 1)).float() for f in finals]).amax(0)
-    assert torch.equal(res.lm_head_stats.absmax, expect)
-    assert res.lm_head_stats.tokens == 50 and res.lm_head_stats.samples == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -22,9 +22,7 @@ from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .config import quantization_config
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
-from .packing import pack_gptq_v1
 from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
-from .solver import gptq, relative_output_error
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,6 @@ class RunOptions:
     device: str = "auto"
     chunk_tokens: int = 8192
     propagate: str = "quantized"
-    quantize_lm_head: bool = False
     tp: int = 1
     max_shard_bytes: int = 4 * 10**9
     resume: bool = False
@@ -98,7 +95,6 @@ def run_gptq(
             "method": "gptq",
             "bits": dataclasses.asdict(bits),
             "gptq": dataclasses.asdict(layer),
-            "quantize_lm_head": run.quantize_lm_head,
             "marlin_exclusions": sorted(excluded),
             "calibration": dataclasses.asdict(calib),
         }
@@ -108,7 +104,6 @@ def run_gptq(
             propagate=run.propagate,
             hessian=True,
             hessian_dtype="fp64" if layer.fp64 else "fp32",
-            lm_head_stats=run.quantize_lm_head,
             show_progress=run.show_progress,
         )
         engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings)
@@ -116,28 +111,6 @@ def run_gptq(
         result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
         engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
         t_calib = time.perf_counter() - t0
-
-        lm_tensors = None
-        lm_report: dict[str, Any] = {}
-        if run.quantize_lm_head:
-            assert result.lm_head_stats is not None
-            from ..model.loading import load_global
-
-            w = load_global(engine.reader, config, "lm_head.weight", engine.device).float()
-            h = layer.hessian(result.lm_head_stats)
-            cfg = layer.solver_config(bits.bits, bits.group_size)
-            res = gptq(w, h, cfg)
-            lm_tensors = {
-                k: v.cpu()
-                for k, v in pack_gptq_v1(
-                    res.weight.codes, res.weight.scales, res.weight.g_idx, bits.bits, res.weight.zero
-                ).items()
-            }
-            lm_report = {
-                "bits": bits.bits,
-                "rel_err": relative_output_error(w, res.weight.dequantize(), h),
-                "damp": res.damp,
-            }
 
         table, summary = _summary_table(result.reports)
         console.print(table)
@@ -148,8 +121,8 @@ def run_gptq(
             "smooth_alpha": layer.smooth_alpha,
             "hessian_weighting": layer.hessian_weighting,
         }
-        qconfig = quantization_config(config, plan, bits.group_size, run.quantize_lm_head, meta)
-        report = {**run_report(engine, data, result, t_calib, summary), "lm_head": lm_report}
+        qconfig = quantization_config(config, plan, bits.group_size, meta)
+        report = run_report(engine, data, result, t_calib, summary)
         t1 = time.perf_counter()
         export_checkpoint(
             model,
@@ -162,7 +135,6 @@ def run_gptq(
                 "salaquant_settings.json": settings,
                 **(extra_files or {}),
             },
-            lm_head_tensors=lm_tensors,
             max_shard_bytes=run.max_shard_bytes,
             overwrite=run.overwrite,
         )
@@ -172,6 +144,8 @@ def run_gptq(
             f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
             f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
         )
+        for line in check.serving:
+            console.print(line, markup=False, highlight=False)
         for w in check.warnings:
             console.print(f"[yellow]warning:[/] {w}")
     return output

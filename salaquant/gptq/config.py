@@ -11,9 +11,10 @@ from .dynamic import LinearPlan, build_dynamic
 
 
 def quantization_config(
-    config: SalaConfig, plan: dict[str, LinearPlan], group_size: int, lm_head: bool, meta: dict[str, Any]
+    config: SalaConfig, plan: dict[str, LinearPlan], group_size: int, meta: dict[str, Any]
 ) -> dict[str, Any]:
-    """The ``quantization_config`` / ``quantize_config.json`` dict: top-level bits = the most common bits."""
+    """The ``quantization_config`` / ``quantize_config.json`` dict: top-level bits = the most common bits;
+    lm_head stays bf16 (no engine serves SALA with a quantized one: ``serving.LM_HEAD_REFUSAL``)."""
     counts = Counter(p.bits for p in plan.values() if p.bits is not None)
     if not counts:
         raise ValueError("the plan quantizes no linear: nothing to export as GPTQ")
@@ -26,7 +27,7 @@ def quantization_config(
         "desc_act": False,
         "sym": True,
         "checkpoint_format": "gptq",
-        "lm_head": lm_head,
+        "lm_head": False,
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"salaquant:{__version__}"], **meta},
     }

@@ -215,6 +215,11 @@ class SalaConfig:
             raise ConfigError(f"config key 'hidden_act' = {act!r}: MiniCPM-SALA uses 'silu'")
         if raw.get("attention_bias", False):
             raise ConfigError("config key 'attention_bias' = true is not a MiniCPM-SALA layout")
+        if raw.get("lightning_layerwise_decay", False):
+            raise ConfigError(
+                "config key 'lightning_layerwise_decay' = true (a decay scaled per layer) is not MiniCPM-SALA's: "
+                "its lightning layers decay by the per-head slopes alone"
+            )
 
         return cls(
             vocab_size=_positive_int(raw, "vocab_size"),
@@ -268,7 +273,8 @@ class SalaConfig:
             raise ConfigError(f"{path}: {exc}") from exc
 
     def to_dict(self) -> dict[str, Any]:
-        """The original dict with the architecture fields re-stated (mixer spellings preserved)."""
+        """The original dict with every architecture field stated, defaults included (mixer spellings preserved),
+        so that an engine reading it cannot fall back to a default of its own that differs from ours."""
         out = copy.deepcopy(self.raw)
         out["model_type"] = MODEL_TYPE
         for key in (
@@ -308,6 +314,11 @@ class SalaConfig:
         ):
             out["mixer_types"] = ["lightning-attn" if m == LIGHTNING else m for m in self.mixer_types]
         out["sparse_config"] = copy.deepcopy(self.sparse_config)
+        # spelled as SGLang's parser takes it: the formula, or the number it stands for
+        scale = self.raw.get("lightning_scale", "1/sqrt(d)")
+        out["lightning_scale"] = scale if scale == "1/sqrt(d)" else self.lightning_scale
+        out["lightning_layerwise_decay"] = False
+        out["attention_bias"] = self.attention_bias
         return out
 
     def save(self, path: str | Path) -> None:

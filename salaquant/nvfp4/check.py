@@ -73,7 +73,11 @@ def check_modelopt(reader: CheckpointReader, config: dict[str, Any], tp: int) ->
                 continue
             missing = [t for t in NVFP4_TENSORS if f"{module}.{t}" not in reader]
             if missing:
-                errors.append(f"{module}: not excluded, so it needs NVFP4 tensors; missing {missing}")
+                for t in missing:
+                    errors.append(
+                        f"{module}.{t} is missing ({module} is not excluded, so it needs {', '.join(NVFP4_TENSORS)}; "
+                        "SGLang would serve the bytes it never wrote)"
+                    )
                 continue
             for t, dtype in NVFP4_TENSORS.items():
                 if reader.dtype(f"{module}.{t}") != dtype:
