@@ -43,6 +43,9 @@ SMALL = CalibOptions(max_samples=2, max_len=128)
 KINDS = ("bf16", "gptq", "gptq_mixed", "gptq_exclude", "nvfp4", "nvfp4_dense_all")
 # SGLang's fused linears and the checkpoint linears they hold, in the order they are stacked.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_OF = {m: fused for fused, members in FUSED.items() for m in members}
+# Keys SGLang and salaquant default differently when config.json leaves them out.
+DEFAULTS_DIFFER = ("attn_use_rope", "use_output_gate", "use_output_norm", "scale_emb", "attn_use_output_gate")
 
 
 def _gptq(out: Path, bits: BitsOptions) -> Path:
@@ -145,7 +148,7 @@ def test_export_states_the_keys_whose_defaults_differ(tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(MODEL, source)
     raw = json.loads((source / "config.json").read_text())
-    for key in ("attn_use_rope", "use_output_gate", "use_output_norm", "scale_emb", "attn_use_output_gate"):
+    for key in DEFAULTS_DIFFER:
         raw.pop(key)
     (source / "config.json").write_text(json.dumps(raw))
     ours = SalaConfig.from_file(source)
@@ -156,8 +159,7 @@ def test_export_states_the_keys_whose_defaults_differ(tmp_path: Path) -> None:
         RunOptions(device="cpu", show_progress=False), QUIET,
     )  # fmt: skip
     written = json.loads((out / "config.json").read_text())
-    for key in ("attn_use_rope", "use_output_gate", "use_output_norm", "scale_emb", "attn_use_output_gate"):
-        assert key in written
+    assert all(key in written for key in DEFAULTS_DIFFER)
     assert _sglang_facts(sglang_engine.parse_config(out), ours) == _model_facts(ours)
 
 
@@ -281,9 +283,6 @@ def test_missing_tensor_sglang_leaves_unwritten_and_check_refuses(exports, tmp_p
     assert list(holes) == [f"{module}.{FUSED_OF[tensor.split('.')[-2]]}.{tensor.rpartition('.')[2]}"]
     with pytest.raises(CheckError, match=tensor.replace(".", r"\.")):
         check_checkpoint(path)
-
-
-FUSED_OF = {m: fused for fused, members in FUSED.items() for m in members}
 
 
 def test_wrong_bits_in_config_refused(exports, tmp_path: Path) -> None:
