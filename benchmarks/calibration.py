@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from salaquant.engine import CalibrationEngine, EngineOptions
 from salaquant.model.config import LIGHTNING, SalaConfig
 from salaquant.model.layout import input_groups, layer_linears
 from salaquant.model.tiny import preset_config, write_random_checkpoint
-from salaquant.pipeline import CalibrationEngine, EngineOptions
 
 
 def work_flops(cfg: SalaConfig, lengths: list[int], hessian: bool) -> dict[str, float]:

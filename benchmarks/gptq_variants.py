@@ -49,7 +49,7 @@ from quality import CALIB, MODEL, ROOT, _quiet
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.eval.data import SHIPPED_SAMPLE, load_eval_text
 from salaquant.eval.metrics import LogitComparison
 from salaquant.gptq.command import RunOptions, run_gptq
@@ -89,7 +89,7 @@ WATCHED = (
     "salaquant/gptq/layer.py",
     "salaquant/gptq/packing.py",
     "salaquant/gptq/command.py",
-    "salaquant/pipeline.py",
+    "salaquant/engine.py",
     "salaquant/smooth/fold.py",
     "salaquant/stats.py",
 )

@@ -1,4 +1,4 @@
-"""The 4-bit ``mma.sync`` kernel for 1-16 rows (``kernels/mma_rows.py``) against cuBLAS bf16 and the library's
+"""The 4-bit ``mma.sync`` kernel for 1-16 rows (``salaquant/kernels/mma_rows.py``) against cuBLAS bf16 and the library's
 current path for the same rows, on a GPU, for GPTQ W4A16 (``matmul_mma_rows`` against ``matmul``: the paired GEMV
 at one row, the weights-left kernel for 2-16) and NVFP4 (``nvfp4_mma_rows`` against ``nvfp4_matmul_triton``).
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from kernels_w4a16 import COPIES, GROUP, SHAPES, _time_us
 from results import write_results
+
 from salaquant.kernels.nvfp4 import triton_kernels as nk
 from salaquant.kernels.w4a16 import triton_kernels as tk
 

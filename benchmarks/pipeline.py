@@ -33,7 +33,7 @@ import torch
 from calibration import work_flops
 from rich.console import Console
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.demo import checkpoint_bytes
 from salaquant.host_memory import process_memory
 from salaquant.model.config import SalaConfig
@@ -103,7 +103,7 @@ class RssTimeline(logging.Handler):
             self._sample()
 
     def __enter__(self) -> RssTimeline:
-        logging.getLogger("salaquant.pipeline").addHandler(self)
+        logging.getLogger("salaquant.engine").addHandler(self)
         self._thread.start()
         return self
 
@@ -111,7 +111,7 @@ class RssTimeline(logging.Handler):
         self._stop.set()
         self._thread.join()
         self._sample()  # the end of the run belongs to its last phase
-        logging.getLogger("salaquant.pipeline").removeHandler(self)
+        logging.getLogger("salaquant.engine").removeHandler(self)
 
     def summary(self) -> dict[str, float]:
         layers = [v for k, v in self.peaks.items() if k.startswith("layer ")]

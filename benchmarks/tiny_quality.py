@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.model.loading import load_model
 from salaquant.perplexity import compare_models as compare
 from salaquant.perplexity import encode_stream, windows

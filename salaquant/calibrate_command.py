@@ -10,10 +10,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .calibration import CalibOptions
+from .calib_data import CalibOptions
+from .engine import CalibrationEngine, EngineOptions
 from .model.checkpoint import replace_folder, staging_folder
 from .outputs import work_dir_for
-from .pipeline import CalibrationEngine, EngineOptions
 from .work_folder import guarded_run
 from .workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
 

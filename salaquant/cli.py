@@ -197,8 +197,8 @@ def calibrate(
     overwrite: Overwrite = False,
 ) -> None:
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
+    from .calib_data import CalibOptions
     from .calibrate_command import run_calibrate
-    from .calibration import CalibOptions
     from .work_folder import RunInterrupted
 
     try:
@@ -448,9 +448,9 @@ def generate(
 
     import torch
 
+    from .engine import resolve_device
     from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling
-    from .pipeline import resolve_device
     from .runtime.load import checkpoint_format, load
     from .workflow import load_tokenizer
 
@@ -539,7 +539,7 @@ def eval_command(
 
     Exit status: 0 all thresholds met, 1 format check failed, 2 bad input, 3 a threshold missed.
     """
-    from .calibration import CalibrationError
+    from .calib_data import CalibrationError
     from .check import CheckError
     from .eval import EvalInputError, EvalOptions, Thresholds, run_eval
     from .eval.command import parse_depths, parse_lengths
@@ -604,7 +604,7 @@ def demo(
     overwrite: Annotated[bool, typer.Option(help="Write into a non-empty folder the demo did not create.")] = False,
 ) -> None:
     """Quantize the shipped tiny model with GPTQ W4A16 and NVFP4 (default, dense-all) and score each against bf16."""
-    from .calibration import CalibrationError
+    from .calib_data import CalibrationError
     from .demo import DemoError, run_demo
 
     try:

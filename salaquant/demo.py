@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .calibration import CalibOptions
+from .calib_data import CalibOptions
 from .eval.data import load_eval_text
 from .eval.generation import DEFAULT_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
@@ -154,7 +154,7 @@ def run_demo(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Quantize, score and tabulate; returns what ``demo.json`` holds."""
-    from .pipeline import resolve_device
+    from .engine import resolve_device
     from .runtime.load import load
 
     model, calib = _resolve(model, calib)

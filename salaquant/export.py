@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .engine import EngineResult
 from .model.checkpoint import CheckpointReader, CheckpointWriter
 from .model.config import SalaConfig
 from .model.layout import global_parameter_shapes
-from .pipeline import EngineResult
 from .serving import SGLANG_VERSION, serving_lines
 
 

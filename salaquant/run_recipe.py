@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .calibration import CalibOptions
+from .calib_data import CalibOptions
 from .model.checkpoint import replace_folder
 from .outputs import check_no_overlap, check_output
 from .recipe import GPTQ_GROUPS, NVFP4_GROUPS, EvalGate, Recipe, RecipeError, rule_line
@@ -190,12 +190,12 @@ def _quantize(
 def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:
     """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention),
     measured and gated by the code behind ``salaquant eval``."""
+    from .engine import resolve_device
     from .eval.data import load_eval_text
     from .eval.metrics import compare_windows
     from .eval.thresholds import Thresholds
     from .model.loading import load_model
     from .perplexity import windows
-    from .pipeline import resolve_device
     from .workflow import load_tokenizer
 
     assert gate.data is not None

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from .calibration import CalibOptions, CalibSet, load_calibration
+from .calib_data import CalibOptions, CalibSet, load_calibration
 from .model.checkpoint import CheckpointReader
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
@@ -15,7 +15,7 @@ from .model.loading import validate_source
 from .outputs import check_free_space, check_output
 
 if TYPE_CHECKING:
-    from .pipeline import CalibrationEngine, EngineResult
+    from .engine import CalibrationEngine, EngineResult
 
 
 def start_run(
@@ -24,7 +24,7 @@ def start_run(
     """What every command that calibrates checks before any data or model work (about a second): the output
     paths (`check_output`, the source and every calibration file counting as inputs), the device, and the source
     checkpoint from its headers (`validate_source`)."""
-    from .pipeline import resolve_device
+    from .engine import resolve_device
 
     inputs = [("input checkpoint", model)]
     inputs += [("calibration source", Path(s)) for s in sources if not s.startswith("hf:")]

@@ -37,7 +37,7 @@ def shipped_rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A W4 g128 round-to-nearest GPTQ export of the shipped model (2 calibration samples of 128 tokens)."""
     from rich.console import Console
 
-    from salaquant.calibration import CalibOptions
+    from salaquant.calib_data import CalibOptions
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 from salaquant import outputs
 from salaquant.cli import app
+from salaquant.engine import CalibrationEngine, EngineOptions, LayerResult, ResumeError
 from salaquant.model.tiny import preset_config, write_random_checkpoint
-from salaquant.pipeline import CalibrationEngine, EngineOptions, LayerResult, ResumeError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "sala-tiny"
@@ -169,7 +169,7 @@ def test_resume_refuses_a_changed_tensor_of_a_finished_layer_only(model: Path, t
 
 
 def test_resume_refuses_another_salaquant_version(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.pipeline as pipeline
+    import salaquant.engine as pipeline
 
     work = tmp_path / "w"
     with pytest.raises(KeyboardInterrupt):
@@ -329,7 +329,7 @@ def test_read_only_or_unwritable_parent_is_refused(model: Path, tmp_path: Path, 
 
 
 def test_disk_full_during_calibration(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.pipeline as pipeline
+    import salaquant.engine as pipeline
 
     real = pipeline.write_safetensors
 

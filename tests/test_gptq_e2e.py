@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.check import check_checkpoint
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.dynamic import plan_for

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import salaquant.host_memory as hm
 from salaquant.cli import app
-from salaquant.pipeline import CalibrationEngine, EngineOptions
+from salaquant.engine import CalibrationEngine, EngineOptions
 
 GIB = 2**30
 

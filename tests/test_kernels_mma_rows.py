@@ -1,4 +1,4 @@
-"""The 4-bit kernel for 1-16 rows on ``mma.sync`` (``kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
+"""The 4-bit kernel for 1-16 rows on ``mma.sync`` (``salaquant/kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
 ``nvfp4_mma_rows`` for NVFP4): its MMA emulation against the fragment layout of the PTX ISA, the kernel against the
 PyTorch references under the Triton interpreter, and on a GPU the PTX against the emulation and the references at
 SALA shapes (CUDA only)."""
@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 from error_bounds import assert_within
+
 from salaquant.kernels import mma_rows
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.nvfp4 import dequantize as nvfp4_dequantize
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
-
 from salaquant.nvfp4.numerics import quantize_nvfp4
 
 # Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;

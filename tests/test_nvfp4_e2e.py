@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.check import CheckError, check_checkpoint
 from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.config import SalaConfig

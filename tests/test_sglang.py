@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
-from salaquant.calibration import CalibOptions
+from salaquant.calib_data import CalibOptions
 from salaquant.check import CheckError, check_checkpoint
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions

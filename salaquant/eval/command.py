@@ -186,7 +186,7 @@ def run_eval(
     when a threshold was missed. Raises ``EvalInputError`` / ``CheckpointError`` / ``ConfigError`` /
     ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
     from .. import __version__
-    from ..pipeline import resolve_device
+    from ..engine import resolve_device
     from ..runtime.load import checkpoint_format, load
     from ..workflow import load_tokenizer
 

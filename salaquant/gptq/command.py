@@ -12,11 +12,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..calibration import CalibOptions
+from ..calib_data import CalibOptions
 from ..check import check_checkpoint
+from ..engine import CalibrationEngine, EngineOptions
 from ..export import export_checkpoint
 from ..outputs import work_dir_for
-from ..pipeline import CalibrationEngine, EngineOptions
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine import LayerResult
 from ..model.config import SalaConfig
 from ..model.layout import input_groups
 from ..model.modeling import DecoderLayer
-from ..pipeline import LayerResult
 from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
 from ..stats import GroupStats, LayerStats
 from .dynamic import LinearPlan
@@ -61,7 +61,7 @@ class GPTQLayerOptions:
 
 
 class GPTQLayerQuantizer:
-    """``quantize_layer`` for the calibration engine (see ``salaquant.pipeline.LayerQuantizer``)."""
+    """``quantize_layer`` for the calibration engine (see ``salaquant.engine.LayerQuantizer``)."""
 
     def __init__(self, config: SalaConfig, plan: dict[str, LinearPlan], options: GPTQLayerOptions) -> None:
         if options.method not in ("gptq", "rtn"):

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from ..engine import LayerResult
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
-from ..pipeline import LayerResult
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
 from ..stats import LayerStats
 from .numerics import global_scale, input_scale, quantize_nvfp4, search_block_scales

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import __version__, host_memory
 from .background import BackgroundWriter
-from .calibration import samples_fingerprint
+from .calib_data import samples_fingerprint
 from .host_memory import empty_pinned_cache
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
@@ -46,7 +46,7 @@ from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
 from .stats import GroupStats, LayerStats
 
-log = logging.getLogger("salaquant.pipeline")
+log = logging.getLogger("salaquant.engine")
 
 
 class ResumeError(RuntimeError):

@@ -13,7 +13,7 @@ the grids and workspaces and picks the path. Paths, chosen by ``matmul`` from th
   (``codes.word_value``: one logic op and one FMA per value, exact), multiplies them by the activation into a 2-D fp32
   accumulator and applies the group scale once per word row.
 * ``2 <= M <= 16`` with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32 dividing K (or one group,
-  K a multiple of 128), ``mma_rows`` (``matmul_mma_rows``, kernel in ``kernels/mma_rows.py``): ``mma.sync`` fed from
+  K a multiple of 128), ``mma_rows`` (``matmul_mma_rows``, kernel in ``../mma_rows.py``): ``mma.sync`` fed from
   registers, every tensor one element per thread so that each thread loads its own fragments; the paired
   dequantization of ``paired`` (bf16 activations take the bf16 MMA, so no fp16 range limit), fp32 products and
   sums, split-K over whole groups. On an H200 1.6-2.0x cuBLAS bf16 at 2-8 rows and 1.2-1.5x at 16

@@ -7,7 +7,7 @@ Kernels:
   (M <= 16); with larger tiles the prefill path.
 * ``nvfp4_paired_gemv_kernel`` (``paired_gemv``): split-K GEMV on paired fp16 arithmetic, the default for one
   fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_TUNED``).
-* ``mma_rows_kernel`` (``kernels/mma_rows.py``, ``nvfp4_mma_rows``): ``mma.sync`` from registers for 1 to 16 fp16/bf16
+* ``mma_rows_kernel`` (``../mma_rows.py``, ``nvfp4_mma_rows``): ``mma.sync`` from registers for 1 to 16 fp16/bf16
   rows, the default for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
 * ``_nvfp4_gemv_kernel``: CUDA-core split-K GEMV, one activation row per program (used for M <= GEMV_MAX_M,
   0 by default, or when a config asks for it).
@@ -615,7 +615,7 @@ def nvfp4_mma_rows(
     emulate: bool = False,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``kernels/mma_rows.py``): 1 to 16 fp16/bf16
+    """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``../mma_rows.py``): 1 to 16 fp16/bf16
     rows (bf16 of any magnitude: scaled into fp16's range per split where needed), K a multiple of 128.
     ``nvfp4_matmul_triton`` takes it for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
     ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's emulation of
