@@ -540,10 +540,10 @@ def eval_command(
     Exit status: 0 all thresholds met, 1 format check failed, 2 bad input, 3 a threshold missed.
     """
     from .calib_data import CalibrationError
-    from .check import CheckError
     from .eval import EvalInputError, EvalOptions, Thresholds, run_eval
     from .eval.command import parse_depths, parse_lengths
     from .eval.thresholds import parse_fraction, parse_non_negative
+    from .formats.check import CheckError
 
     try:
 
@@ -619,7 +619,7 @@ def check(
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,
 ) -> None:
     """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups)."""
-    from .check import CheckError, check_checkpoint
+    from .formats.check import CheckError, check_checkpoint
 
     try:
         report = check_checkpoint(model, tp=tp)

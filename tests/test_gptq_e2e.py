@@ -10,11 +10,11 @@ import torch
 from rich.console import Console
 
 from salaquant.calib_data import CalibOptions
-from salaquant.check import check_checkpoint
+from salaquant.formats.check import check_checkpoint
+from salaquant.formats.gptq_v1.dynamic import plan_for
+from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
 from salaquant.gptq.command import RunOptions, run_gptq
-from salaquant.gptq.dynamic import plan_for
 from salaquant.gptq.layer import GPTQLayerOptions, GPTQLayerQuantizer
-from salaquant.gptq.packing import dequantize_gptq_v1
 from salaquant.gptq.plan import BitsOptions, PlanError, build_plan
 from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.config import SalaConfig

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from salaquant.check import CHECKERS, CheckError, check_checkpoint
-from salaquant.gptq.dynamic import LinearPlan, build_dynamic, resolve
-from salaquant.gptq.packing import dequantize_gptq_v1, pack_gptq_v1, unpack_gptq_v1
+from salaquant.formats.check import CHECKERS, CheckError, check_checkpoint
+from salaquant.formats.gptq_v1.dynamic import LinearPlan, build_dynamic, resolve
+from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1, pack_gptq_v1, unpack_gptq_v1
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import parameter_shapes
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4
 from salaquant.kernels.host import pair_aligned
 from salaquant.kernels.w4a16 import w4a16_matmul_reference
-
-from salaquant.nvfp4.numerics import quantize_nvfp4
 
 
 def _odd_view(m: int, k: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:

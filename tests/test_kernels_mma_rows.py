@@ -13,11 +13,11 @@ import triton
 import triton.language as tl
 from error_bounds import assert_within
 
+from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4
 from salaquant.kernels import mma_rows
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.nvfp4 import dequantize as nvfp4_dequantize
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
-from salaquant.nvfp4.numerics import quantize_nvfp4
 
 # Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;
 # what remains is the output's rounding to nearest (2**-11 fp16, 2**-9 bf16), with room for the fp32 sums.

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from salaquant.kernels.nvfp4 import E2M1_TABLE, dequantize, nvfp4_matmul, nvfp4_matmul_reference
 
-from salaquant.nvfp4.numerics import E2M1_GRID, quantize_nvfp4
+from salaquant.formats.modelopt_nvfp4.numerics import E2M1_GRID, quantize_nvfp4
+from salaquant.kernels.nvfp4 import E2M1_TABLE, dequantize, nvfp4_matmul, nvfp4_matmul_reference
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -49,7 +49,7 @@ def _assert_matches(y: torch.Tensor, ref32: torch.Tensor, rtol: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference vs an independent formulation (salaquant.nvfp4.numerics)
+# Reference vs an independent formulation (salaquant.formats.modelopt_nvfp4.numerics)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -243,7 +243,7 @@ def test_package_imports_without_triton() -> None:
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
         "from salaquant.kernels.nvfp4 import nvfp4_matmul\n"
-        "from salaquant.nvfp4.numerics import quantize_nvfp4\n"
+        "from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4\n"
         "q = quantize_nvfp4(torch.randn(16, 32))\n"
         "y = nvfp4_matmul(torch.randn(2, 32), q.weight, q.weight_scale, q.weight_scale_2)\n"
         "assert y.shape == (2, 16)\n"

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 from error_bounds import assert_within
-from salaquant.kernels.nvfp4 import dequantize, nvfp4_matmul_reference
 
-from salaquant.nvfp4.numerics import quantize_nvfp4
+from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4
+from salaquant.kernels.nvfp4 import dequantize, nvfp4_matmul_reference
 
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """W4A16 GEMM: the Triton kernels against the PyTorch reference (Triton interpreter on CPU), the reference
-against ``salaquant.gptq.packing``, and the GPU paths at SALA shapes (CUDA only)."""
+against ``salaquant.formats.gptq_v1.packing``, and the GPU paths at SALA shapes (CUDA only)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from error_bounds import assert_within
+
+from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1, pack_gptq_v1
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul, w4a16_matmul_reference
-
-from salaquant.gptq.packing import dequantize_gptq_v1, pack_gptq_v1
 
 GROUP_SIZES = (-1, 32, 64, 128)
 

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from salaquant.calib_data import CalibOptions
-from salaquant.check import CheckError, check_checkpoint
+from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from salaquant.nvfp4.numerics import (
+from salaquant.formats.modelopt_nvfp4.numerics import (
     BLOCK,
     E2M1_GRID,
     FP8_MAX,
@@ -22,10 +22,9 @@ from salaquant.nvfp4.numerics import (
     input_scale,
     pack_nibbles,
     quantize_nvfp4,
-    search_block_scales,
-    shrink_factors,
     unpack_nibbles,
 )
+from salaquant.nvfp4.search import search_block_scales, shrink_factors
 
 
 @pytest.fixture(scope="module")
@@ -315,11 +314,11 @@ def test_search_equals_trying_every_factor(iters: int, max_shrink: float) -> Non
 
 def test_search_tries_each_fp8_value_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """80 factors over 1.0-0.4 reach about 12 FP8 values per block: that many passes, not 80."""
-    import salaquant.nvfp4.numerics as numerics
+    import salaquant.nvfp4.search as search
 
     calls = []
-    real = numerics._scale_error
-    monkeypatch.setattr(numerics, "_scale_error", lambda *a: calls.append(1) or real(*a))
+    real = search._scale_error
+    monkeypatch.setattr(search, "_scale_error", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(5)
     w = _heavy((16, 128), g)
     search_block_scales(w, global_scale(w.abs().amax()), torch.rand(128, generator=g), iters=80, max_shrink=0.6)

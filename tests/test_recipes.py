@@ -61,7 +61,7 @@ def test_shipped_recipe_runs(name: str, tmp_path: Path) -> None:
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == ("modelopt" if name.startswith("nvfp4") else "gptq")
     if name == "gptq-w4-mlp-w8-attn":
-        from salaquant.gptq.dynamic import plan_for
+        from salaquant.formats.gptq_v1.dynamic import plan_for
 
         def bits(module: str) -> int | None:
             return plan_for(qc.get("dynamic", {}), module, qc["bits"], qc["group_size"]).bits

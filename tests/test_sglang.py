@@ -21,16 +21,16 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from salaquant.calib_data import CalibOptions
-from salaquant.check import CheckError, check_checkpoint
+from salaquant.formats.check import CheckError, check_checkpoint
+from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
+from salaquant.formats.modelopt_nvfp4.numerics import NVFP4Weight
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
-from salaquant.gptq.packing import dequantize_gptq_v1
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
-from salaquant.nvfp4.numerics import NVFP4Weight
 from salaquant.serving import FORMATS, SGLANG_VERSION
 
 pytestmark = pytest.mark.skipif(not sglang_engine.available(), reason="SGLang is not installed")

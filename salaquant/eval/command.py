@@ -155,7 +155,7 @@ def _report_dir(folder: Path) -> Path:
 
 def _format_check(path: Path, tp: int) -> dict[str, Any]:
     """Run the export code's checker (raises ``CheckError``: eval stops)."""
-    from ..check import check_checkpoint
+    from ..formats.check import check_checkpoint
 
     rep = check_checkpoint(path, tp=tp)
     return {

@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ..calib_data import CalibOptions
-from ..check import check_checkpoint
 from ..engine import CalibrationEngine, EngineOptions
 from ..export import export_checkpoint
+from ..formats.check import check_checkpoint
+from ..formats.gptq_v1.config import quantization_config
 from ..outputs import work_dir_for
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
-from .config import quantization_config
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
 from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
 

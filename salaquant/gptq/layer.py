@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from ..engine import LayerResult
+from ..formats.gptq_v1.dynamic import LinearPlan
+from ..formats.gptq_v1.packing import pack_gptq_v1
 from ..model.config import SalaConfig
 from ..model.layout import input_groups
 from ..model.modeling import DecoderLayer
 from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
 from ..stats import GroupStats, LayerStats
-from .dynamic import LinearPlan
-from .packing import pack_gptq_v1
 from .solver import GPTQConfig, GPTQResult, error_ratio, gptq, row_weighted_errors, rtn
 
 GPTQ_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..formats.gptq_v1.dynamic import LinearPlan
 from ..model.config import LIGHTNING, SPARSE, SalaConfig
 from ..model.layout import FUSED_PARAMETERS, layer_linears
-from .dynamic import LinearPlan
 
 SUPPORTED_BITS = (4, 8, 16)
 
@@ -122,7 +122,7 @@ def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
 def marlin_exclusions(config: SalaConfig, plan: dict[str, LinearPlan], tp: int) -> dict[str, list[str]]:
     """Keep in bf16 the linears gptq_marlin cannot serve at this tensor-parallel size (whole fused groups),
     changing ``plan`` in place; returns {linear: reasons} for the linears it excluded."""
-    from ..check import marlin_shape_problems
+    from ..formats.gptq_v1.check import marlin_shape_problems
 
     raw = config.to_dict()
     excluded: dict[str, list[str]] = {}

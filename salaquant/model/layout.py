@@ -1,11 +1,15 @@
-"""Declarative description of every tensor of a MiniCPM-SALA checkpoint, per layer type.
+"""The architecture table of MiniCPM-SALA: every tensor per layer type, which linears share an input and
+which norm produces it, which projections the serving engines fuse, how each linear splits under tensor
+parallelism, and which blocks SGLang excludes from quantization together.
 
-One table, read by the model builder, the tiny-model writer, ``inspect``, checkpoint validation and
-(later) smoothing, quantizers and export. Names are the real checkpoint's.
+The one place these facts live: the model builder, the tiny-model writer, ``inspect``, checkpoint
+validation, smoothing, both quantizers, the byte formats, the checker and the runtime read them here.
+Names are the real checkpoint's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .config import LIGHTNING, SPARSE, SalaConfig
@@ -102,6 +106,10 @@ def parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+GROUP_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+"""The input groups of every decoder layer, in execution order (``input_groups``)."""
+
+
 @dataclass(frozen=True)
 class InputGroup:
     """Linears of one decoder layer that read the same input tensor (so share one Hessian).
@@ -109,13 +117,14 @@ class InputGroup:
     ``source`` names what produces that input: a norm (``input_layernorm``, ``self_attn.o_norm``,
     ``post_attention_layernorm``), ``attention`` (the gated attention output of minicpm4 layers, which no
     norm precedes) or ``mlp.up_proj`` (the down_proj input is act(gate) * up, scaled per channel by up's rows).
-    ``fused`` is the name serving engines give the fused parameter, when they fuse the group's members.
+    ``producer`` says how a per-channel scale of that input folds into what produces it: ``"norm"`` (divide
+    the norm's weight), ``"rows"`` (divide up_proj's output rows) or ``None`` (nothing to fold into).
     """
 
     name: str
     source: str
     members: tuple[str, ...]
-    fused: str | None = None
+    producer: str | None
 
 
 def input_groups(config: SalaConfig, kind: str) -> list[InputGroup]:
@@ -123,18 +132,18 @@ def input_groups(config: SalaConfig, kind: str) -> list[InputGroup]:
     if kind == SPARSE:
         qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         first = qkv + (("self_attn.o_gate",) if config.attn_use_output_gate else ())
-        o_source = "attention"
+        o_source, o_producer = "attention", None
     elif kind == LIGHTNING:
         qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
         first = qkv + (("self_attn.z_proj",) if config.use_output_gate else ())
-        o_source = "self_attn.o_norm" if config.use_output_norm else "attention"
+        o_source, o_producer = ("self_attn.o_norm", "norm") if config.use_output_norm else ("attention", None)
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
     return [
-        InputGroup("attn_in", "input_layernorm", first),
-        InputGroup("attn_out", o_source, ("self_attn.o_proj",)),
-        InputGroup("mlp_in", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        InputGroup("mlp_out", "mlp.up_proj", ("mlp.down_proj",)),
+        InputGroup("attn_in", "input_layernorm", first, "norm"),
+        InputGroup("attn_out", o_source, ("self_attn.o_proj",), o_producer),
+        InputGroup("mlp_in", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "norm"),
+        InputGroup("mlp_out", "mlp.up_proj", ("mlp.down_proj",), "rows"),
     ]
 
 
@@ -144,3 +153,47 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+FUSED_OF: dict[str, str] = {m: fused for fused, members in FUSED_PARAMETERS.items() for m in members}
+"""Member -> fused parameter (``self_attn.k_proj`` -> ``self_attn.qkv_proj``)."""
+
+_LAYER_LINEAR = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)")
+
+
+def split_layer_name(name: str) -> tuple[int, str] | None:
+    """``model.layers.3.mlp.up_proj`` -> ``(3, "mlp.up_proj")``; None for a name outside the decoder layers."""
+    m = _LAYER_LINEAR.fullmatch(name)
+    return (int(m[1]), m[2]) if m else None
+
+
+def fused_name(name: str) -> str | None:
+    """``model.layers.3.self_attn.k_proj`` -> ``model.layers.3.self_attn.qkv_proj``; None if not fused."""
+    parts = split_layer_name(name)
+    fused = FUSED_OF.get(parts[1]) if parts else None
+    return None if parts is None or fused is None else f"model.layers.{parts[0]}.{fused}"
+
+
+# Tensor-parallel split of each decoder linear, as vLLM / SGLang shard it: "column" splits the outputs,
+# "row" the inputs, "heads" the outputs by whole heads, "kv_heads" likewise but with each rank holding one
+# replicated head when there are fewer heads than ranks.
+TP_SPLIT: dict[str, str] = {
+    "self_attn.q_proj": "heads",
+    "self_attn.k_proj": "kv_heads",
+    "self_attn.v_proj": "kv_heads",
+    "self_attn.o_gate": "column",
+    "self_attn.z_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "mlp.down_proj": "row",
+}
+
+EXCLUDED_TOGETHER = ("self_attn",)
+"""Blocks SGLang builds unquantized as a whole as soon as one of their linears is excluded (its exclusion
+cascade): excluding ``model.layers.{i}.self_attn.o_proj`` from quantization excludes all of that layer's
+attention linears."""
+
+
+def exclusion_block(relative: str) -> str | None:
+    """The block of ``EXCLUDED_TOGETHER`` that a layer-relative linear name belongs to, or None."""
+    block = relative.split(".", 1)[0]
+    return block if block in EXCLUDED_TOGETHER else None

@@ -112,11 +112,11 @@ def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) ->
         qconfig = reader.config().get("quantization_config") or {}
         if qconfig.get("quant_method") != "gptq":
             raise CheckpointError(f"{module}.qweight found but config.json has no GPTQ quantization_config")
-        from ..gptq.dequant import dequantized_weight
+        from ..formats.gptq_v1.read import dequantized_weight
 
         return dequantized_weight(reader, module, qconfig, shape)
     if name in reader and reader.dtype(name) == torch.uint8 and f"{module}.weight_scale" in reader:
-        from ..nvfp4.numerics import NVFP4Weight
+        from ..formats.modelopt_nvfp4.numerics import NVFP4Weight
 
         q = NVFP4Weight(
             weight=reader.get(name),

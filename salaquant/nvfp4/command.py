@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ..calib_data import CalibOptions
-from ..check import check_checkpoint
 from ..engine import CalibrationEngine, EngineOptions
 from ..export import export_checkpoint
+from ..formats.check import check_checkpoint
+from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config
 from ..outputs import work_dir_for
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
-from .config import flat_quantization_config, hf_quant_config
 from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
 from .plan import build_nvfp4_plan
 

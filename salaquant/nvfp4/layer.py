@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from ..engine import LayerResult
+from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantize_nvfp4
 from ..model.config import SalaConfig
-from ..model.layout import FUSED_PARAMETERS, input_groups
+from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
 from ..stats import LayerStats
-from .numerics import global_scale, input_scale, quantize_nvfp4, search_block_scales
 from .plan import NVFP4Plan
+from .search import search_block_scales
 
 NVFP4_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in")  # not up_proj -> down_proj
 _TINY = torch.finfo(torch.float32).tiny  # an all-zero weight gets a positive global scale, not 0/0 block scales
@@ -84,7 +85,6 @@ class NVFP4LayerQuantizer:
         tensors: dict[str, torch.Tensor] = {}
         act = self.smooth(index, layer, stats, report["smooth_scale_range"])
 
-        fused_of = {m: fused for fused, ms in FUSED_PARAMETERS.items() for m in ms}
         shared_ws2: dict[str, torch.Tensor] = {}
         for fused, ms in FUSED_PARAMETERS.items():
             if all(prefix + m in self.plan.quantized for m in ms):
@@ -101,7 +101,7 @@ class NVFP4LayerQuantizer:
                     report["linears"][m] = {"format": "bf16"}
                     continue
                 w = mod.weight.data.float()
-                ws2 = shared_ws2.get(fused_of.get(m, ""))
+                ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
                 ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
                 t0 = time.perf_counter()
                 plain = quantize_nvfp4(w, weight_scale_2=ws2)

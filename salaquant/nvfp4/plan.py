@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..model.config import SPARSE, SalaConfig
-from ..model.layout import FUSED_PARAMETERS, layer_linears
+from ..model.layout import FUSED_PARAMETERS, exclusion_block, layer_linears
 
 
 class NVFP4PlanError(ValueError):
@@ -62,15 +62,21 @@ def build_nvfp4_plan(config: SalaConfig, dense_all: bool = False, exclude: tuple
         prefix = f"model.layers.{i}."
         names = [prefix + s.name for s in layer_linears(config, kind)]
         hit = {n for n in names if any(p.search(n) for p in patterns)}
-        attn = [n for n in names if ".self_attn." in n]
+        blocks: dict[str, set[str]] = {}
+        for n in names:
+            block = exclusion_block(n.removeprefix(prefix))
+            if block is not None:
+                blocks.setdefault(block, set()).add(n)
         if kind == SPARSE and not dense_all:
-            hit |= set(attn)
-        elif hit & set(attn) and not set(attn) <= hit:
-            notes.append(
-                f"{prefix}self_attn: excluding {', '.join(sorted(n.removeprefix(prefix) for n in hit & set(attn)))} "
-                "excludes the whole attention block (SGLang builds it unquantized)"
-            )
-            hit |= set(attn)
+            hit |= blocks.get("self_attn", set())
+        for block, members in blocks.items():
+            if hit & members and not members <= hit:
+                notes.append(
+                    f"{prefix}{block}: excluding {', '.join(sorted(n.removeprefix(prefix) for n in hit & members))} "
+                    f"excludes the whole {'attention' if block == 'self_attn' else block} block "
+                    "(SGLang builds it unquantized)"
+                )
+                hit |= members
         for fused, members in FUSED_PARAMETERS.items():
             full = {prefix + m for m in members}
             if full & hit and not full <= hit:

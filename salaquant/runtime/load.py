@@ -78,7 +78,7 @@ def load(
     for name in shapes:
         module_name = name.removesuffix(".weight")
         if fmt == "gptq" and f"{module_name}.qweight" in reader:
-            from ..gptq.dynamic import plan_for
+            from ..formats.gptq_v1.dynamic import plan_for
 
             plan = plan_for(qc.get("dynamic") or {}, module_name, int(qc["bits"]), int(qc["group_size"]))
             assert plan.bits is not None

@@ -17,12 +17,10 @@ from torch import nn
 
 from ..model.layout import InputGroup
 
-NORM_SOURCES = ("input_layernorm", "post_attention_layernorm", "self_attn.o_norm")
-ROW_SOURCES = ("mlp.up_proj",)
-
 
 def smoothable(group: InputGroup) -> bool:
-    return group.source in NORM_SOURCES or group.source in ROW_SOURCES
+    """Whether the group's input has a producer that a per-channel scale folds into (``InputGroup.producer``)."""
+    return group.producer is not None
 
 
 @dataclass
@@ -53,10 +51,10 @@ def fold_scales(layer: nn.Module, group: InputGroup, scales: torch.Tensor) -> No
     """Divide the group's producer by ``scales`` and multiply its consumers' input columns by them, in fp32,
     storing back in each parameter's dtype."""
     s = scales.float()
-    if group.source in NORM_SOURCES:
+    if group.producer == "norm":
         norm = layer.get_submodule(group.source)
         norm.weight.data = (norm.weight.data.float() / s).to(norm.weight.dtype)
-    elif group.source in ROW_SOURCES:
+    elif group.producer == "rows":
         up = layer.get_submodule(group.source)
         up.weight.data = (up.weight.data.float() / s[:, None]).to(up.weight.dtype)
     else:

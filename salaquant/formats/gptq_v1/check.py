@@ -1,161 +1,45 @@
-"""Checkpoint checker: will vLLM / SGLang load this quantized folder with the intended kernels?
-
-`check_checkpoint` reads ``config.json`` and the safetensors headers (plus the small ``qzeros`` / ``g_idx``
-tensors) and dispatches on ``quantization_config.quant_method`` to a checker registered in `CHECKERS`.
-Every problem found is collected; a `CheckError` lists them all, each naming the tensor (or config key)
-and the rule it breaks.
-"""
+"""The GPTQ v1 checker: what SGLang's and vLLM's ``gptq_marlin`` need of a checkpoint, each problem naming the
+tensor or config key and the rule it breaks."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .gptq.dynamic import first_match, fused_name, resolve
-from .model.checkpoint import CheckpointError, CheckpointReader
-from .model.config import LIGHTNING, ConfigError, SalaConfig, normalize_mixer
-from .model.layout import parameter_shapes
-from .serving import LM_HEAD_REFUSAL, serving_lines
+from ...model.checkpoint import CheckpointReader
+from ...model.config import LIGHTNING, ConfigError, normalize_mixer
+from ...model.layout import TP_SPLIT, fused_name, split_layer_name
+from ...serving import LM_HEAD_REFUSAL
+from ..report import CheckReport, fail
+from .dynamic import first_match, resolve
+from .packing import SUPPORTED_BITS
 
-__all__ = [
-    "CHECKERS",
-    "COLUMN_PARALLEL",
-    "ROW_PARALLEL",
-    "CheckError",
-    "CheckReport",
-    "check_checkpoint",
-    "register_checker",
-]
+__all__ = ["check_gptq", "marlin_shape_problems", "shape_problems"]
 
-# Decoder linears by tensor-parallel split (relative to ``model.layers.{i}.``).
-COLUMN_PARALLEL = frozenset(
-    {
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_gate",
-        "self_attn.z_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-    }
-)
-ROW_PARALLEL = frozenset({"self_attn.o_proj", "mlp.down_proj"})
-_HEAD_SPLIT = frozenset({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"})
-_KV = frozenset({"self_attn.k_proj", "self_attn.v_proj"})
-_LAYER_LINEAR = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)")
-
-GPTQ_BITS = (4, 8)
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
 MARLIN_MIN_N = 64  # output partition multiple (GPTQ_MARLIN_MIN_THREAD_N)
 MARLIN_MIN_K = 128  # input partition multiple (GPTQ_MARLIN_MIN_THREAD_K)
-_GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 _PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class CheckError(ValueError):
-    """The checkpoint would not load (or not load as intended); ``errors`` lists every problem."""
-
-    def __init__(self, message: str, errors: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.errors = list(errors) if errors is not None else [message]
-
-
-@dataclass
-class CheckReport:
-    """What a passing checkpoint holds: its format, quantized and plain linears, and warnings."""
-
-    format: str
-    quantized: list[str] = field(default_factory=list)
-    unquantized: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    serving: list[str] = field(default_factory=list)  # how SGLang serves it and on which GPUs
-
-
-Checker = Callable[[CheckpointReader, dict[str, Any], int], CheckReport]
-CHECKERS: dict[str, Checker] = {}
-
-
-def register_checker(quant_method: str, checker: Checker) -> None:
-    """Register the checker for one ``quant_method`` value (replaces an earlier one)."""
-    CHECKERS[quant_method] = checker
-
-
-def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
-    """Check the quantized checkpoint folder ``path`` for tensor-parallel size ``tp``.
-
-    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise.
-    """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise CheckError(f"tp={tp!r}: tensor-parallel size must be a positive integer")
-    try:
-        reader = CheckpointReader(path)
-        config = reader.config()
-    except CheckpointError as exc:
-        raise CheckError(str(exc)) from exc
-    qconfig = config.get("quantization_config")
-    if qconfig is None:
-        raise CheckError(f"{Path(path) / 'config.json'}: no quantization_config (not a quantized checkpoint?)")
-    if not isinstance(qconfig, dict):
-        raise CheckError(f"{Path(path) / 'config.json'}: quantization_config is not a JSON object")
-    method = qconfig.get("quant_method")
-    checker = CHECKERS.get(method) if isinstance(method, str) else None
-    if checker is None:
-        known = ", ".join(sorted(CHECKERS))
-        raise CheckError(f"unsupported quant_method {method!r} (checkers exist for: {known})")
-    with reader:
-        _fail(config_problems(reader, config), f"{reader.path}: tensors against config.json")
-        report = checker(reader, config, tp)
-    report.serving = serving_lines(str(path), method, tp)
-    return report
-
-
-def config_problems(reader: CheckpointReader, config: dict[str, Any]) -> list[str]:
-    """Where the tensors disagree with the shapes ``config.json`` implies (a served model is built from the config,
-    then filled from the tensors): every parameter of the SALA layout present, plain tensors with their shape,
-    GPTQ linears with ``in`` inputs (``g_idx``) and ``out`` outputs (``qweight``), NVFP4 codes ``[out, in / 2]``."""
-    try:
-        shapes = parameter_shapes(SalaConfig.from_dict(config))
-    except ConfigError as exc:
-        return [f"config.json: {exc}"]
+def shape_problems(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """Whether the GPTQ tensors standing for parameter ``name`` of ``shape`` (as ``config.json`` implies it) have
+    its ``in`` inputs (``g_idx``) and ``out`` outputs (``qweight``); None when ``name`` is not stored as GPTQ."""
+    module = name.removesuffix(".weight")
+    if name in reader or f"{module}.qweight" not in reader or len(shape) != 2:
+        return None
+    out_f, in_f = shape
     errors = []
-    for name, shape in shapes.items():
-        module = name.removesuffix(".weight")
-        if name in reader:
-            got = tuple(reader.shape(name))
-            want = (shape[0], shape[1] // 2) if reader.dtype(name) == torch.uint8 and len(shape) == 2 else shape
-            if got != want:
-                errors.append(f"{name}: shape {list(got)}, config.json implies {list(want)}")
-        elif f"{module}.qweight" in reader and len(shape) == 2:
-            out_f, in_f = shape
-            if f"{module}.g_idx" in reader and tuple(reader.shape(f"{module}.g_idx")) != (in_f,):
-                errors.append(
-                    f"{module}.g_idx: shape {list(reader.shape(f'{module}.g_idx'))}, config.json implies [{in_f}]"
-                )
-            if reader.shape(f"{module}.qweight")[-1] != out_f:
-                errors.append(
-                    f"{module}.qweight: {reader.shape(f'{module}.qweight')[-1]} outputs, config.json implies {out_f}"
-                )
-        else:
-            errors.append(f"{name} is missing (config.json's layout has it)")
+    if f"{module}.g_idx" in reader and tuple(reader.shape(f"{module}.g_idx")) != (in_f,):
+        errors.append(f"{module}.g_idx: shape {list(reader.shape(f'{module}.g_idx'))}, config.json implies [{in_f}]")
+    if reader.shape(f"{module}.qweight")[-1] != out_f:
+        errors.append(f"{module}.qweight: {reader.shape(f'{module}.qweight')[-1]} outputs, config.json implies {out_f}")
     return errors
-
-
-# --------------------------------------------------------------------------------------------
-# GPTQ
-# --------------------------------------------------------------------------------------------
-
-
-def _fail(errors: list[str], where: str) -> None:
-    if errors:
-        lines = "\n".join(f"  - {e}" for e in errors)
-        raise CheckError(f"{len(errors)} problem(s) in {where}:\n{lines}", errors)
 
 
 def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str]) -> dict[str, Any]:
@@ -164,7 +48,7 @@ def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str
         if key not in qc:
             errors.append(f"quantization_config.{key} is missing (gptq_marlin needs bits, group_size, desc_act, sym)")
     bits, gs, desc_act, sym = qc.get("bits"), qc.get("group_size"), qc.get("desc_act"), qc.get("sym")
-    if "bits" in qc and (isinstance(bits, bool) or bits not in GPTQ_BITS):
+    if "bits" in qc and (isinstance(bits, bool) or bits not in SUPPORTED_BITS):
         errors.append(f"quantization_config.bits = {bits!r}: gptq_marlin takes 4 or 8")
     if "group_size" in qc and (isinstance(gs, bool) or gs not in MARLIN_GROUP_SIZES):
         errors.append(f"quantization_config.group_size = {gs!r}: gptq_marlin takes one of {list(MARLIN_GROUP_SIZES)}")
@@ -201,7 +85,7 @@ def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str
         if pattern.startswith("-:"):
             continue
         o_bits, o_gs = overrides.get("bits", bits), overrides.get("group_size", gs)
-        if "bits" in overrides and (isinstance(o_bits, bool) or o_bits not in GPTQ_BITS):
+        if "bits" in overrides and (isinstance(o_bits, bool) or o_bits not in SUPPORTED_BITS):
             errors.append(f"{where}.bits = {o_bits!r}: gptq_marlin takes 4 or 8")
         if "group_size" in overrides and (isinstance(o_gs, bool) or o_gs not in MARLIN_GROUP_SIZES):
             errors.append(f"{where}.group_size = {o_gs!r}: gptq_marlin takes one of {list(MARLIN_GROUP_SIZES)}")
@@ -238,19 +122,20 @@ def _partition(
     tensor = f"{name}.qweight"
     if tp == 1 or kind is None:
         return in_f, out_f
-    if kind in ROW_PARALLEL:
+    split = TP_SPLIT[kind]
+    if split == "row":
         if in_f % tp:
             errors.append(f"{tensor}: row-parallel in_features={in_f} is not divisible by tp={tp}")
             return None
         return in_f // tp, out_f
-    if kind in _HEAD_SPLIT and head_dim is not None and out_f % head_dim == 0:
+    if split in ("heads", "kv_heads") and head_dim is not None and out_f % head_dim == 0:
         heads = out_f // head_dim
         if heads >= tp:
             if heads % tp:
                 errors.append(f"{tensor}: {heads} heads of size {head_dim} do not split over tp={tp}")
                 return None
             return in_f, heads // tp * head_dim
-        if kind in _KV and tp % heads == 0:
+        if split == "kv_heads" and tp % heads == 0:
             return in_f, head_dim  # fewer kv heads than ranks: each rank holds one replicated head
         errors.append(f"{tensor}: {heads} heads of size {head_dim} do not split over tp={tp}")
         return None
@@ -276,9 +161,9 @@ def marlin_shape_problems(
     config: dict[str, Any], module: str, in_features: int, out_features: int, group_size: int, tp: int = 1
 ) -> list[str]:
     """What gptq_marlin would refuse about this decoder linear's tensor-parallel shard (empty when it fits)."""
-    m = _LAYER_LINEAR.fullmatch(module)
-    kind = m[2] if m else None
-    head_dim = _head_dim(config, int(m[1])) if m else None
+    parts = split_layer_name(module)
+    kind = parts[1] if parts and parts[1] in TP_SPLIT else None
+    head_dim = _head_dim(config, parts[0]) if parts else None
     errors: list[str] = []
     part = _partition(module, kind, in_features, out_features, tp, head_dim, errors)
     if part is not None:
@@ -308,11 +193,11 @@ def _check_gptq_module(
     errors: list[str],
 ) -> None:
     """Tensors of one quantized linear: presence, dtypes, shapes (A.1 layout), qzeros, g_idx, TP shards."""
-    missing = [t for t in _GPTQ_TENSORS if t not in leaves]
+    missing = [t for t in GPTQ_TENSORS if t not in leaves]
     for t in missing:
-        errors.append(f"{name}.{t} is missing (a GPTQ linear needs {', '.join(_GPTQ_TENSORS)})")
-    for t in sorted(leaves - {*_GPTQ_TENSORS, "bias"}):
-        errors.append(f"{name}.{t}: unexpected next to {name}.qweight (a GPTQ linear holds only {_GPTQ_TENSORS})")
+        errors.append(f"{name}.{t} is missing (a GPTQ linear needs {', '.join(GPTQ_TENSORS)})")
+    for t in sorted(leaves - {*GPTQ_TENSORS, "bias"}):
+        errors.append(f"{name}.{t}: unexpected next to {name}.qweight (a GPTQ linear holds only {GPTQ_TENSORS})")
     if missing:
         return
     n_errors = len(errors)
@@ -407,13 +292,13 @@ def _rule(pattern: str | None) -> str:
     return "no dynamic rule matches" if pattern is None else f"rule {pattern!r}"
 
 
-def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> CheckReport:
+def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> CheckReport:
     """Check a GPTQ (v1) checkpoint for vLLM / SGLang ``gptq_marlin``."""
     qc: dict[str, Any] = config["quantization_config"]
     errors: list[str] = []
     report = CheckReport(format="gptq")
     dynamic = _check_gptq_config(qc, errors, report.warnings)
-    _fail(errors, f"{reader.path / 'config.json'} quantization_config")
+    fail(errors, f"{reader.path / 'config.json'} quantization_config")
     bits: int = qc["bits"]
     gs: int = qc["group_size"]
     desc_act: bool = qc["desc_act"]
@@ -448,9 +333,9 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
     # Decoder linears, plus lm_head; anything else holding a qweight is checked without a TP split.
     linears: dict[str, str | None] = {}
     for module, leaves in modules.items():
-        m = _LAYER_LINEAR.fullmatch(module)
-        if m and (m[2] in COLUMN_PARALLEL or m[2] in ROW_PARALLEL) and leaves & {"qweight", "weight"}:
-            linears[module] = m[2]
+        parts = split_layer_name(module)
+        if parts and parts[1] in TP_SPLIT and leaves & {"qweight", "weight"}:
+            linears[module] = parts[1]
         elif module == "lm_head" and leaves & {"qweight", "weight"}:
             linears[module] = None
         elif "qweight" in leaves:
@@ -514,8 +399,8 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
                     f"{module}.qweight: quantized, but modules_in_block_to_quantize does not list it "
                     "(vLLM would build an unquantized layer)"
                 )
-            layer = _LAYER_LINEAR.fullmatch(module)
-            head_dim = _head_dim(config, int(layer[1])) if layer else None
+            parts = split_layer_name(module)
+            head_dim = _head_dim(config, parts[0]) if parts else None
             _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head_dim, errors)
             report.quantized.append(module)
         else:
@@ -532,17 +417,5 @@ def _check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Ch
                 continue
             report.unquantized.append(module)
 
-    _fail(errors, str(reader.path))
+    fail(errors, str(reader.path))
     return report
-
-
-register_checker("gptq", _check_gptq)
-
-
-def _register_builtin() -> None:
-    from .nvfp4.check import check_modelopt
-
-    register_checker("modelopt", check_modelopt)
-
-
-_register_builtin()

@@ -1,4 +1,4 @@
-"""Checks of a ModelOpt NVFP4 checkpoint: what SGLang's and vLLM's ``modelopt_fp4`` loaders need."""
+"""The ModelOpt NVFP4 checker: what SGLang's and vLLM's ``modelopt_fp4`` loaders need of a checkpoint."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
-from ..check import CheckError, CheckReport
-from ..model.checkpoint import CheckpointReader
-from ..model.config import SalaConfig
-from ..model.layout import FUSED_PARAMETERS, layer_linears
+from ...model.checkpoint import CheckpointReader
+from ...model.config import SalaConfig
+from ...model.layout import FUSED_PARAMETERS, layer_linears
+from ..report import CheckReport, fail
+
+__all__ = ["NVFP4_TENSORS", "check_modelopt", "excluded_by", "shape_problems"]
 
 NVFP4_TENSORS = {
     "weight": torch.uint8,
@@ -19,6 +21,16 @@ NVFP4_TENSORS = {
     "weight_scale_2": torch.float32,
     "input_scale": torch.float32,
 }
+
+
+def shape_problems(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """Whether the packed codes standing for parameter ``name`` of ``shape`` [out, in] (as ``config.json`` implies
+    it) are ``[out, in / 2]``; None when ``name`` is not stored as NVFP4 codes."""
+    if name not in reader or reader.dtype(name) != torch.uint8 or len(shape) != 2:
+        return None
+    want = (shape[0], shape[1] // 2)
+    got = tuple(reader.shape(name))
+    return [] if got == want else [f"{name}: shape {list(got)}, config.json implies {list(want)}"]
 
 
 def excluded_by(patterns: list[str], module: str) -> bool:
@@ -32,6 +44,7 @@ def excluded_by(patterns: list[str], module: str) -> bool:
 
 
 def check_modelopt(reader: CheckpointReader, config: dict[str, Any], tp: int) -> CheckReport:
+    """Check a ModelOpt NVFP4 checkpoint for SGLang / vLLM ``modelopt_fp4`` (NVFP4 shards need no TP check)."""
     qc = config["quantization_config"]
     errors: list[str] = []
     if qc.get("quant_algo") != "NVFP4":
@@ -117,9 +130,6 @@ def check_modelopt(reader: CheckpointReader, config: dict[str, Any], tp: int) ->
                         )
     if "lm_head.weight" in reader and reader.dtype("lm_head.weight") == torch.uint8:
         errors.append("lm_head.weight: NVFP4 lm_head is not supported by salaquant exports")
-    if errors:
-        raise CheckError(
-            f"{len(errors)} problem(s) in {reader.path}:\n" + "\n".join(f"  - {e}" for e in errors), errors
-        )
+    fail(errors, str(reader.path))
     del tp
     return report

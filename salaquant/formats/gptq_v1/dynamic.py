@@ -16,20 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..model.layout import FUSED_PARAMETERS
+from ...model.layout import FUSED_OF, FUSED_PARAMETERS, fused_name, split_layer_name
 
 __all__ = [
     "LinearPlan",
     "build_dynamic",
     "first_match",
-    "fused_name",
     "linear_names_for_engines",
     "plan_for",
     "resolve",
 ]
-
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(\w+)")
-_MEMBER_TO_FUSED: dict[str, str] = {m: fused for fused, members in FUSED_PARAMETERS.items() for m in members}
 
 
 @dataclass(frozen=True)
@@ -45,15 +41,6 @@ def _same(a: LinearPlan, b: LinearPlan) -> bool:
     if a.bits is None or b.bits is None:
         return a.bits is None and b.bits is None
     return a == b
-
-
-def fused_name(name: str) -> str | None:
-    """``model.layers.3.self_attn.k_proj`` -> ``model.layers.3.self_attn.qkv_proj``; None if not fused."""
-    m = _LAYER_NAME.fullmatch(name)
-    if m is None:
-        return None
-    fused = _MEMBER_TO_FUSED.get(f"{m[2]}.{m[3]}")
-    return None if fused is None else f"model.layers.{m[1]}.{fused}"
 
 
 def linear_names_for_engines(names: list[str]) -> list[str]:
@@ -137,20 +124,20 @@ def build_dynamic(
     by_kind: dict[str, dict[int, LinearPlan]] = {}
     members_seen: dict[tuple[int, str], dict[str, LinearPlan]] = {}
     for name, plan in plans.items():
-        m = _LAYER_NAME.fullmatch(name)
-        if m is None:
+        parts = split_layer_name(name)
+        if parts is None:
             raise ValueError(
                 f"{name!r}: dynamic rules cover only decoder linears model.layers.{{i}}.<module>.<linear> "
                 "(lm_head is set by the lm_head flag, embeddings are never quantized)"
             )
-        layer, kind = int(m[1]), f"{m[2]}.{m[3]}"
+        layer, kind = parts
         if not 0 <= layer < num_layers:
             raise ValueError(f"{name!r}: layer index {layer} is outside 0-{num_layers - 1}")
         if plan.bits is not None and plan.bits <= 0:
             raise ValueError(f"{name!r}: bits={plan.bits} is not a valid bit width")
         if kind in FUSED_PARAMETERS:
             raise ValueError(f"{name!r}: give plans for the checkpoint linears, not the fused engine name")
-        fused = _MEMBER_TO_FUSED.get(kind)
+        fused = FUSED_OF.get(kind)
         if fused is not None:
             members_seen.setdefault((layer, fused), {})[kind] = plan
             kind = fused

@@ -1,4 +1,5 @@
-"""NVFP4 weight numerics, bit-identical to ModelOpt's ``NVFP4QTensor`` (pure-torch path).
+"""The ModelOpt NVFP4 byte format: weight numerics bit-identical to ModelOpt's ``NVFP4QTensor`` (pure-torch
+path), packing and reading back.
 
 Per quantized linear with weight ``[out, in]`` (``in % 16 == 0``):
 
@@ -30,17 +31,22 @@ __all__ = [
     "FP8_MAX",
     "FP8_MIN_SCALE",
     "NVFP4Weight",
-    "SearchResult",
+    "as_fp32",
+    "block_codes",
     "block_scales",
+    "check_weight",
+    "dequant_blocks",
     "e2m1_codes",
     "e2m1_values",
     "global_scale",
     "input_scale",
     "pack_nibbles",
     "quantize_nvfp4",
-    "search_block_scales",
-    "shrink_factors",
+    "raw_block_scales",
+    "round_block_scales",
+    "scalar_scale",
     "unpack_nibbles",
+    "weight_blocks",
 ]
 
 E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -58,20 +64,20 @@ _ROUND_UP_MIDPOINTS = (0.75, 1.75, 3.5)
 _GLOBAL_DIVISOR = FP4_MAX * FP8_MAX  # 2688
 
 
-def _fp32(x: torch.Tensor | float, device: torch.device | None = None) -> torch.Tensor:
+def as_fp32(x: torch.Tensor | float, device: torch.device | None = None) -> torch.Tensor:
     """``x`` as an fp32 tensor (on ``device`` when given)."""
     return torch.as_tensor(x, dtype=torch.float32, device=device)
 
 
-def _scalar_scale(weight_scale_2: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def scalar_scale(weight_scale_2: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     """A global scale as a 0-d fp32 tensor on ``device``; ValueError unless it has one element."""
-    s2 = _fp32(weight_scale_2, device)
+    s2 = as_fp32(weight_scale_2, device)
     if s2.numel() != 1:
         raise ValueError(f"weight_scale_2 must be a scalar, got shape {tuple(s2.shape)}")
     return s2.reshape(())
 
 
-def _check_weight(w: torch.Tensor) -> None:
+def check_weight(w: torch.Tensor) -> None:
     """ValueError unless ``w`` is a floating ``[out, in]`` tensor with ``in % BLOCK == 0``."""
     if w.dim() != 2:
         raise ValueError(f"NVFP4 weight must be 2-D [out, in], got shape {tuple(w.shape)}")
@@ -81,27 +87,27 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError(f"NVFP4 needs the input dim to be a multiple of {BLOCK}, got in={w.shape[1]}")
 
 
-def _blocks(w: torch.Tensor) -> torch.Tensor:
+def weight_blocks(w: torch.Tensor) -> torch.Tensor:
     """fp32 view of ``w [out, in]`` as ``[out, in / BLOCK, BLOCK]``."""
     return w.float().reshape(w.shape[0], w.shape[1] // BLOCK, BLOCK)
 
 
 def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """Per-tensor scale ``weight_scale_2 = amax / (6 * 448)`` in fp32 (0 for amax 0, as ModelOpt)."""
-    return _fp32(amax) / _GLOBAL_DIVISOR
+    return as_fp32(amax) / _GLOBAL_DIVISOR
 
 
 def input_scale(act_amax: torch.Tensor | float) -> torch.Tensor:
     """Static activation scale ``act_amax / (6 * 448)`` in fp32."""
-    return _fp32(act_amax) / _GLOBAL_DIVISOR
+    return as_fp32(act_amax) / _GLOBAL_DIVISOR
 
 
-def _raw_block_scales(block_amax: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+def raw_block_scales(block_amax: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """Unrounded block scales ``block_amax / (6 * weight_scale_2)`` in fp32."""
     return block_amax / (FP4_MAX * weight_scale_2)
 
 
-def _round_block_scales(raw: torch.Tensor) -> torch.Tensor:
+def round_block_scales(raw: torch.Tensor) -> torch.Tensor:
     """Zero scales to 1.0, clamp to ``[2**-9, 448]``, round to float8_e4m3fn (nearest-even)."""
     raw = torch.where(raw == 0, torch.ones_like(raw), raw)
     return raw.clamp(min=FP8_MIN_SCALE, max=FP8_MAX).to(torch.float8_e4m3fn)
@@ -114,12 +120,12 @@ def block_scales(
 
     ``shrink`` (broadcastable to ``[out, in / 16]``) multiplies the unrounded scale before the FP8 rounding.
     """
-    _check_weight(w)
-    s2 = _scalar_scale(weight_scale_2, w.device)
-    raw = _raw_block_scales(_blocks(w).abs().amax(dim=-1), s2)
+    check_weight(w)
+    s2 = scalar_scale(weight_scale_2, w.device)
+    raw = raw_block_scales(weight_blocks(w).abs().amax(dim=-1), s2)
     if shrink is not None:
-        raw = raw * _fp32(shrink, w.device)
-    return _round_block_scales(raw)
+        raw = raw * as_fp32(shrink, w.device)
+    return round_block_scales(raw)
 
 
 @functools.cache
@@ -171,12 +177,12 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
 
 
-def _dequant_blocks(codes: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+def dequant_blocks(codes: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """fp32 ``value(codes) * (scale * weight_scale_2)`` for ``codes [out, nb, 16]``, ``scale_fp32 [out, nb]``."""
     return e2m1_values(codes) * (scale_fp32 * weight_scale_2).unsqueeze(-1)
 
 
-def _block_codes(wb: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+def block_codes(wb: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """uint8 codes of fp32 blocks ``wb [out, nb, 16]`` under block scales ``scale_fp32 [out, nb]``."""
     return e2m1_codes(wb / (scale_fp32 * weight_scale_2).unsqueeze(-1))
 
@@ -201,7 +207,7 @@ class NVFP4Weight:
         """``[out, in]`` weight: ``value(code) * (float(weight_scale) * weight_scale_2)``, computed in fp32."""
         out, n = self.shape
         codes = unpack_nibbles(self.weight).reshape(out, n // BLOCK, BLOCK)
-        deq = _dequant_blocks(codes, self.weight_scale.float(), self.weight_scale_2.float())
+        deq = dequant_blocks(codes, self.weight_scale.float(), self.weight_scale_2.float())
         return deq.reshape(out, n).to(dtype)
 
 
@@ -216,12 +222,9 @@ def quantize_nvfp4(
     q/k/v or gate/up) is used as is. ``block_scale`` (float8_e4m3fn ``[out, in / 16]``, e.g. from
     ``search_block_scales``) defaults to ``block_scales(w, weight_scale_2)``.
     """
-    _check_weight(w)
+    check_weight(w)
     out, n = w.shape
-    if weight_scale_2 is None:
-        s2 = global_scale(w.abs().amax()).to(w.device)
-    else:
-        s2 = _scalar_scale(weight_scale_2, w.device)
+    s2 = global_scale(w.abs().amax()).to(w.device) if weight_scale_2 is None else scalar_scale(weight_scale_2, w.device)
     if block_scale is None:
         block_scale = block_scales(w, s2)
     else:
@@ -230,121 +233,5 @@ def quantize_nvfp4(
         if tuple(block_scale.shape) != (out, n // BLOCK):
             raise ValueError(f"block_scale must have shape {(out, n // BLOCK)}, got {tuple(block_scale.shape)}")
         block_scale = block_scale.to(w.device)
-    codes = _block_codes(_blocks(w), block_scale.float(), s2).reshape(out, n)
+    codes = block_codes(weight_blocks(w), block_scale.float(), s2).reshape(out, n)
     return NVFP4Weight(weight=pack_nibbles(codes), weight_scale=block_scale, weight_scale_2=s2)
-
-
-@dataclass
-class SearchResult:
-    """Searched block scales and the importance-weighted squared error before and after the search."""
-
-    scales: torch.Tensor
-    """float8_e4m3fn ``[out, in / 16]`` block scales."""
-    error_plain: float
-    """``sum (w - w_hat)^2 * importance`` with the plain ``block_scales``."""
-    error_searched: float
-    """The same with ``scales``; never larger than ``error_plain``."""
-
-
-def shrink_factors(iters: int, max_shrink: float) -> list[float]:
-    """The ``iters`` shrink factors ``1 - max_shrink * t / (iters - 1)``, from 1.0 down to ``1 - max_shrink``."""
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    if not 0.0 <= max_shrink < 1.0:
-        raise ValueError(f"max_shrink must be in [0, 1), got {max_shrink}")
-    if iters == 1:
-        return [1.0]
-    return [1.0 - max_shrink * t / (iters - 1) for t in range(iters)]
-
-
-def search_block_scales(
-    w: torch.Tensor,
-    weight_scale_2: torch.Tensor | float,
-    importance: torch.Tensor,
-    iters: int = 80,
-    max_shrink: float = 0.6,
-) -> SearchResult:
-    """Per-block search of the shrink factor minimising ``sum_j (w_j - w_hat_j)^2 * importance_j``.
-
-    Each candidate scale is ``block_scales(w, weight_scale_2, shrink=f)`` for ``f`` in
-    ``shrink_factors(iters, max_shrink)``; a block keeps the first (largest) factor reaching its least error, so
-    ``f = 1`` (the plain scale) wins ties. ``importance [in]`` (e.g. the Hessian diagonal) must be ``>= 0``.
-
-    Many factors round to the same FP8 scale (E4M3 has 8 steps per octave; 80 factors over 1.0-0.4 reach about
-    12 distinct scales per block). When the factors are fine enough to reach every FP8 value between the plain
-    scale and the smallest factor's (``max_shrink / (iters - 1) <= (1 - max_shrink) / 16``: the factor step is
-    below the narrowest rounding interval there), those values are tried directly, largest first, one pass each:
-    the same scales and errors as trying every factor, in a fraction of the passes. Otherwise every factor is
-    tried, one pass each.
-    """
-    _check_weight(w)
-    factors = shrink_factors(iters, max_shrink)
-    n = w.shape[1]
-    imp = _fp32(importance, w.device)
-    if tuple(imp.shape) != (n,):
-        raise ValueError(f"importance must have shape ({n},), got {tuple(imp.shape)}")
-    if bool((imp < 0).any()) or not bool(torch.isfinite(imp).all()):
-        raise ValueError("importance must be finite and >= 0")
-    imp = imp.reshape(1, n // BLOCK, BLOCK)
-    s2 = _scalar_scale(weight_scale_2, w.device)
-    wb = _blocks(w)
-    raw = _raw_block_scales(wb.abs().amax(dim=-1), s2)
-    fine = len(factors) > 1 and max_shrink / (len(factors) - 1) <= (1.0 - max_shrink) / 16
-    if fine:
-        best_bits, best_err, plain_err = _search_fp8_values(wb, raw, imp, s2, factors[-1])
-    else:
-        best_bits, best_err, plain_err = _search_factors(wb, raw, imp, s2, factors)
-    return SearchResult(
-        scales=best_bits.view(torch.float8_e4m3fn),
-        error_plain=float(plain_err.double().sum()),
-        error_searched=float(best_err.double().sum()),
-    )
-
-
-def _scale_error(wb: torch.Tensor, scale: torch.Tensor, imp: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """Importance-weighted squared error ``[out, nb]`` of each block under its FP8 ``scale``."""
-    scale_fp32 = scale.float()
-    w_hat = _dequant_blocks(_block_codes(wb, scale_fp32, s2), scale_fp32, s2)
-    return ((wb - w_hat) ** 2 * imp).sum(dim=-1)
-
-
-def _search_factors(
-    wb: torch.Tensor, raw: torch.Tensor, imp: torch.Tensor, s2: torch.Tensor, factors: list[float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every factor in order, one pass each: (best scale bits, best error, plain error) per block."""
-    best_bits = best_err = plain_err = torch.empty(0)
-    for t, f in enumerate(factors):
-        scale = _round_block_scales(raw * f)
-        err = _scale_error(wb, scale, imp, s2)
-        bits = scale.view(torch.uint8)
-        if t == 0:
-            best_bits, best_err, plain_err = bits, err, err
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_bits = torch.where(better, bits, best_bits)
-    return best_bits, best_err, plain_err
-
-
-def _search_fp8_values(
-    wb: torch.Tensor, raw: torch.Tensor, imp: torch.Tensor, s2: torch.Tensor, smallest_factor: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every FP8 value from each block's plain scale down to its smallest factor's, largest first.
-
-    Positive E4M3 values are ordered as their bit patterns, so step ``t`` tries ``plain bits - t`` in every
-    block where that is still at or above the smallest factor's bits.
-    """
-    hi = _round_block_scales(raw).view(torch.uint8).to(torch.int16)
-    lo = _round_block_scales(raw * smallest_factor).view(torch.uint8).to(torch.int16)
-    steps = int((hi - lo).max()) + 1 if hi.numel() else 1
-    best_bits = hi.to(torch.uint8)
-    best_err = plain_err = _scale_error(wb, best_bits.view(torch.float8_e4m3fn), imp, s2)
-    for t in range(1, steps):
-        cand = hi - t
-        valid = cand >= lo  # lo >= 1 (the smallest scale is 2**-9): valid candidates are positive, never NaN
-        bits = cand.clamp(min=0).to(torch.uint8)
-        err = _scale_error(wb, bits.view(torch.float8_e4m3fn), imp, s2)
-        better = valid & (err < best_err)
-        best_err = torch.where(better, err, best_err)
-        best_bits = torch.where(better, bits, best_bits)
-    return best_bits, best_err, plain_err

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from .. import __version__
-from ..model.config import SalaConfig
+from ... import __version__
+from ...model.config import SalaConfig
 from .dynamic import LinearPlan, build_dynamic
 
 

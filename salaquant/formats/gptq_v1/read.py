@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..model.checkpoint import CheckpointError, CheckpointReader
+from ...model.checkpoint import CheckpointError, CheckpointReader
 from .dynamic import plan_for
 from .packing import dequantize_gptq_v1
 

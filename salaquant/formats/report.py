@@ -1,0 +1,31 @@
+"""What a format checker returns or raises: the report of a passing export and the error listing every problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class CheckError(ValueError):
+    """The checkpoint would not load (or not load as intended); ``errors`` lists every problem."""
+
+    def __init__(self, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = list(errors) if errors is not None else [message]
+
+
+@dataclass
+class CheckReport:
+    """What a passing checkpoint holds: its format, quantized and plain linears, and warnings."""
+
+    format: str
+    quantized: list[str] = field(default_factory=list)
+    unquantized: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    serving: list[str] = field(default_factory=list)  # how SGLang serves it and on which GPUs
+
+
+def fail(errors: list[str], where: str) -> None:
+    """Raise `CheckError` listing ``errors`` (found in ``where``) when there are any."""
+    if errors:
+        lines = "\n".join(f"  - {e}" for e in errors)
+        raise CheckError(f"{len(errors)} problem(s) in {where}:\n{lines}", errors)

@@ -1,0 +1,47 @@
+"""Which implementation a kernel call runs: the Triton kernels or the PyTorch reference beside them.
+
+Every family (``w4a16``, ``nvfp4``, ``gptq``, and GLA and InfLLM-v2 through ``salaquant.model``) takes a ``backend``
+string and asks ``use_triton``: ``"auto"`` runs Triton where every operand is a CUDA tensor and Triton is installed,
+the reference elsewhere; ``"triton"`` always runs Triton (CPU tensors only under the interpreter,
+``TRITON_INTERPRET=1``); ``"reference"`` always runs the reference. Triton itself is imported only once a Triton
+path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from torch import Tensor
+
+from . import device
+
+__all__ = ["BACKENDS", "DEQUANT_MIN_M", "use_triton"]
+
+BACKENDS = ("auto", "triton", "reference")
+
+DEQUANT_MIN_M = 1024
+"""From this many activation rows on, the 4-bit matrix families' Triton path dequantizes the weight once into the
+activation dtype and multiplies with cuBLAS: the product is compute-bound there, and the dequantization a few
+percent of it."""
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(backend: str, *tensors: Tensor, fits: bool = True) -> bool:
+    """Whether ``backend`` runs the Triton kernels on ``tensors``; ``fits``: the family's own condition for
+    ``"auto"`` (a shape or dtype its kernel takes). ``ValueError`` for an unknown backend, ``RuntimeError`` for
+    ``"triton"`` on CPU tensors outside the interpreter."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if backend == "auto":
+        return on_cuda and fits and _triton_installed()
+    if not on_cuda and not device.INTERPRET:
+        raise RuntimeError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    return True
