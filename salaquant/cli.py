@@ -15,6 +15,9 @@ from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
 from .progress import console as make_console
 from .run_recipe import parse_size
+from .settings import SMOOTH_BY_DEFAULT, defaults
+
+_GPTQ, _NVFP4 = defaults("gptq"), defaults("nvfp4")  # every flag's default comes from the settings
 
 app = typer.Typer(
     name="salaquant",
@@ -184,13 +187,13 @@ def calibrate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the statistics.")],
     calib: Calib,
     max_samples: MaxSamples = None,
-    max_len: MaxLen = 131072,
-    min_len: MinLen = 1,
-    shuffle: Shuffle = False,
-    seed: Seed = 0,
-    field: Field = None,
-    chunk_tokens: ChunkTokens = 8192,
-    device: Device = "auto",
+    max_len: MaxLen = _GPTQ.calibration.max_len,
+    min_len: MinLen = _GPTQ.calibration.min_len,
+    shuffle: Shuffle = _GPTQ.calibration.shuffle,
+    seed: Seed = _GPTQ.calibration.seed,
+    field: Field = _GPTQ.calibration.field,
+    chunk_tokens: ChunkTokens = _GPTQ.engine.chunk_tokens,
+    device: Device = _GPTQ.engine.device,
     hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
     hessian_dtype: Annotated[str, typer.Option(help="fp32 or fp64 accumulation.")] = "fp32",
     resume: Resume = False,
@@ -229,43 +232,57 @@ def gptq_command(
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the GPTQ checkpoint.")],
     calib: Calib,
-    max_samples: MaxSamples = 96,
-    max_len: MaxLen = 131072,
-    min_len: MinLen = 1,
-    shuffle: Shuffle = False,
-    seed: Seed = 0,
-    field: Field = None,
-    bits: Annotated[int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")] = 4,
-    group_size: Annotated[int, typer.Option(help="Inputs per scale group: -1, 32, 64 or 128.")] = 128,
-    minicpm4_bits: Annotated[int | None, typer.Option(help="Bits of the minicpm4 (sparse) layers.")] = None,
-    lightning_bits: Annotated[int | None, typer.Option(help="Bits of the lightning layers.")] = None,
-    layer_bits: Annotated[str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')] = "",
+    max_samples: MaxSamples = _GPTQ.calibration.max_samples,
+    max_len: MaxLen = _GPTQ.calibration.max_len,
+    min_len: MinLen = _GPTQ.calibration.min_len,
+    shuffle: Shuffle = _GPTQ.calibration.shuffle,
+    seed: Seed = _GPTQ.calibration.seed,
+    field: Field = _GPTQ.calibration.field,
+    bits: Annotated[
+        int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")
+    ] = _GPTQ.quantization.bits,
+    group_size: Annotated[
+        int, typer.Option(help="Inputs per scale group: -1, 32, 64 or 128.")
+    ] = _GPTQ.quantization.group_size,
+    minicpm4_bits: Annotated[
+        int | None, typer.Option(help="Bits of the minicpm4 (sparse) layers.")
+    ] = _GPTQ.quantization.minicpm4_bits,
+    lightning_bits: Annotated[
+        int | None, typer.Option(help="Bits of the lightning layers.")
+    ] = _GPTQ.quantization.lightning_bits,
+    layer_bits: Annotated[
+        str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')
+    ] = _GPTQ.quantization.layer_bits,
     exclude: Exclude = None,
-    smooth_alpha: SmoothAlpha = 0.5,
+    smooth_alpha: SmoothAlpha = _GPTQ.smoothing.alpha,
     smooth: Annotated[
         bool, typer.Option("--smooth/--no-smooth", help="SmoothQuant before GPTQ (off by default for weight-only).")
-    ] = False,
-    damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = 0.01,
-    act_order: Annotated[bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")] = False,
+    ] = SMOOTH_BY_DEFAULT["gptq"],
+    damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = _GPTQ.gptq.damp,
+    act_order: Annotated[
+        bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")
+    ] = _GPTQ.gptq.act_order,
     mse: Annotated[
         bool, typer.Option("--mse/--no-mse", help="Search clipped scales minimising the squared error.")
-    ] = True,
-    fp64: Annotated[bool, typer.Option(help="Accumulate Hessians and solve in float64.")] = False,
-    hessian_weighting: Annotated[str, typer.Option(help="samples (each sample weighs the same) or tokens.")] = (
-        "samples"
-    ),
-    method: Annotated[str, typer.Option(help="gptq, or rtn (round to nearest on the same grid: the baseline).")] = (
-        "gptq"
-    ),
-    quantize_lm_head: Annotated[bool, typer.Option(help="Refused: no engine serves a quantized lm_head.")] = False,
-    propagate: Propagate = "quantized",
-    chunk_tokens: ChunkTokens = 8192,
-    device: Device = "auto",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = 1,
+    ] = _GPTQ.gptq.mse,
+    fp64: Annotated[bool, typer.Option(help="Accumulate Hessians and solve in float64.")] = _GPTQ.gptq.fp64,
+    hessian_weighting: Annotated[
+        str, typer.Option(help="samples (each sample weighs the same) or tokens.")
+    ] = _GPTQ.gptq.hessian_weighting,
+    method: Annotated[
+        str, typer.Option(help="gptq, or rtn (round to nearest on the same grid: the baseline).")
+    ] = _GPTQ.method,
+    quantize_lm_head: Annotated[
+        bool, typer.Option(help="Refused: no engine serves a quantized lm_head.")
+    ] = _GPTQ.gptq.quantize_lm_head,
+    propagate: Propagate = _GPTQ.engine.propagate,
+    chunk_tokens: ChunkTokens = _GPTQ.engine.chunk_tokens,
+    device: Device = _GPTQ.engine.device,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = _GPTQ.export.tp,
     marlin_fallback: Annotated[
         bool, typer.Option(help="Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail).")
-    ] = True,
-    shard_size: ShardSize = "4GB",
+    ] = _GPTQ.export.marlin_fallback,
+    shard_size: ShardSize = _GPTQ.export.shard_size,
     save_recipe: SaveRecipe = None,
     resume: Resume = False,
     overwrite: Overwrite = False,
@@ -302,22 +319,28 @@ def nvfp4_command(
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the NVFP4 checkpoint.")],
     calib: Calib,
-    max_samples: MaxSamples = 96,
-    max_len: MaxLen = 131072,
-    min_len: MinLen = 1,
-    shuffle: Shuffle = False,
-    seed: Seed = 0,
-    field: Field = None,
-    dense_all: Annotated[bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")] = False,
+    max_samples: MaxSamples = _NVFP4.calibration.max_samples,
+    max_len: MaxLen = _NVFP4.calibration.max_len,
+    min_len: MinLen = _NVFP4.calibration.min_len,
+    shuffle: Shuffle = _NVFP4.calibration.shuffle,
+    seed: Seed = _NVFP4.calibration.seed,
+    field: Field = _NVFP4.calibration.field,
+    dense_all: Annotated[
+        bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")
+    ] = _NVFP4.nvfp4.dense_all,
     exclude: Exclude = None,
-    mse_iters: Annotated[int, typer.Option(help="Block-scale search steps (0: plain scales).")] = 80,
-    mse_max_shrink: Annotated[float, typer.Option(help="Smallest tried block scale = 1 - this.")] = 0.6,
-    smooth_alpha: SmoothAlpha = 0.5,
-    no_smooth: NoSmooth = False,
-    propagate: Propagate = "quantized",
-    chunk_tokens: ChunkTokens = 8192,
-    device: Device = "auto",
-    shard_size: ShardSize = "4GB",
+    mse_iters: Annotated[
+        int, typer.Option(help="Block-scale search steps (0: plain scales).")
+    ] = _NVFP4.nvfp4.mse_iters,
+    mse_max_shrink: Annotated[
+        float, typer.Option(help="Smallest tried block scale = 1 - this.")
+    ] = _NVFP4.nvfp4.mse_max_shrink,
+    smooth_alpha: SmoothAlpha = _NVFP4.smoothing.alpha,
+    no_smooth: NoSmooth = not SMOOTH_BY_DEFAULT["nvfp4"],
+    propagate: Propagate = _NVFP4.engine.propagate,
+    chunk_tokens: ChunkTokens = _NVFP4.engine.chunk_tokens,
+    device: Device = _NVFP4.engine.device,
+    shard_size: ShardSize = _NVFP4.export.shard_size,
     save_recipe: SaveRecipe = None,
     resume: Resume = False,
     overwrite: Overwrite = False,

@@ -1,4 +1,4 @@
-"""YAML recipes: a whole quantization run as data (one schema behind both the recipe file and the CLI flags).
+"""YAML recipes: a whole quantization run as data (the schema is ``salaquant.settings``, also behind the flags).
 
 A recipe is validated before any model work; errors name the file, the line and the key, and suggest the
 closest valid key for a misspelt one. ``--set key.sub=value`` overrides any key (values parsed as YAML).
@@ -7,130 +7,21 @@ closest valid key for a misspelt one. ``--set key.sub=value`` overrides any key 
 from __future__ import annotations
 
 import difflib
-import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
 from .serving import LM_HEAD_REFUSAL
+from .settings import SMOOTH_GROUPS, Recipe
 
-GPTQ_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
-NVFP4_GROUPS = ("attn_in", "attn_out", "mlp_in")
-SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+__all__ = ["Recipe", "RecipeError", "apply_overrides", "load_recipe", "recipe_from_dict", "shipped_recipes"]
 
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message names file, line and key."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Calibration(_Section):
-    sources: list[str] = Field(default_factory=list, description="files, folders or hf:NAME datasets")
-    max_samples: int | None = Field(96, ge=1)
-    max_len: int = Field(131072, ge=1)
-    min_len: int = Field(1, ge=1)
-    shuffle: bool = False
-    seed: int = 0
-    field: str | None = None
-
-
-class Smoothing(_Section):
-    enabled: bool | None = Field(None, description="default: off for gptq and rtn, on for nvfp4")
-    alpha: float = Field(0.5, ge=0.0, le=1.0)
-    groups: list[str] | None = Field(None, description="default: all the method's groups")
-
-
-class BitsRuleModel(_Section):
-    match: str
-    bits: Literal[4, 8, 16] | None = None
-    group_size: Literal[-1, 32, 64, 128] | None = None
-
-    @field_validator("match")
-    @classmethod
-    def _regex(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression ({exc})") from exc
-        return v
-
-
-class Quantization(_Section):
-    bits: Literal[4, 8, 16] = 4
-    group_size: Literal[-1, 32, 64, 128] = 128
-    minicpm4_bits: Literal[4, 8, 16] | None = None
-    lightning_bits: Literal[4, 8, 16] | None = None
-    layer_bits: str = Field("", description='e.g. "0:8,2-7:4" (16 = bf16)')
-    rules: list[BitsRuleModel] = Field(default_factory=list, description="first match wins")
-    exclude: list[str] = Field(default_factory=list)
-
-
-class GPTQSection(_Section):
-    damp: float = Field(0.01, gt=0.0, le=1.0)
-    block_size: int = Field(128, ge=1)
-    act_order: bool = False
-    mse: bool = True
-    fp64: bool = False
-    hessian_weighting: Literal["samples", "tokens"] = "samples"
-    quantize_lm_head: bool = Field(False, description="refused when true: no engine serves a quantized lm_head")
-
-
-class NVFP4Section(_Section):
-    dense_all: bool = False
-    exclude: list[str] = Field(default_factory=list)
-    mse_iters: int = Field(80, ge=0, le=10000)
-    mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
-
-
-class Engine(_Section):
-    device: str = "auto"
-    chunk_tokens: int = Field(8192, ge=1)
-    propagate: Literal["quantized", "float"] = "quantized"
-
-
-class Export(_Section):
-    shard_size: str = "4GB"
-    checkpoint_format: Literal["gptq", "modelopt"] | None = None
-    tp: int = Field(1, ge=1)
-    marlin_fallback: bool = True
-
-    @field_validator("shard_size")
-    @classmethod
-    def _size(cls, v: str) -> str:
-        if not SIZE_RE.match(v):
-            raise ValueError("expected a size such as 4GB, 500MB or 2GiB")
-        return v
-
-
-class EvalGate(_Section):
-    data: str | None = Field(None, description="held-out text (same formats as calibration)")
-    seq_len: int = Field(1024, ge=2)
-    windows: int = Field(8, ge=1)
-    max_ppl_increase: float | None = Field(None, ge=0.0, description="fraction, e.g. 0.05 = +5%")
-    max_kl: float | None = Field(None, ge=0.0)
-    min_top1: float | None = Field(None, ge=0.0, le=1.0)
-
-
-class Recipe(_Section):
-    method: Literal["gptq", "nvfp4", "rtn"]
-    description: str = ""
-    calibration: Calibration = Calibration()
-    smoothing: Smoothing = Smoothing()
-    quantization: Quantization = Quantization()
-    gptq: GPTQSection = GPTQSection()
-    nvfp4: NVFP4Section = NVFP4Section()
-    engine: Engine = Engine()
-    export: Export = Export()
-    eval: EvalGate = EvalGate()
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
 
 
 # ----------------------------------------------------------------------------- loading with positions
@@ -245,7 +136,7 @@ def _describe(
 def _consistency(recipe: Recipe) -> list[dict[str, Any]]:
     """Errors between sections (as pydantic reports errors, so they are described the same way)."""
     errors = []
-    allowed = NVFP4_GROUPS if recipe.method == "nvfp4" else GPTQ_GROUPS
+    allowed = SMOOTH_GROUPS[recipe.method]
     for i, g in enumerate(recipe.smoothing.groups or []):
         if g not in allowed:
             errors.append(

@@ -12,7 +12,8 @@ from rich.console import Console
 from .calib_data import CalibOptions
 from .model.checkpoint import replace_folder
 from .outputs import check_no_overlap, check_output
-from .recipe import GPTQ_GROUPS, NVFP4_GROUPS, EvalGate, Recipe, RecipeError, rule_line
+from .recipe import RecipeError, rule_line
+from .settings import EvalGate, Recipe, smoothing_for
 
 
 class GateFailed(RuntimeError):
@@ -38,13 +39,6 @@ def calib_options(r: Recipe) -> CalibOptions:
     return CalibOptions(
         max_samples=c.max_samples, max_len=c.max_len, min_len=c.min_len, shuffle=c.shuffle, seed=c.seed, field=c.field
     )
-
-
-def _smooth(r: Recipe, default: tuple[str, ...], on_by_default: bool) -> tuple[float | None, tuple[str, ...]]:
-    enabled = on_by_default if r.smoothing.enabled is None else r.smoothing.enabled
-    alpha = r.smoothing.alpha if enabled else None
-    groups = tuple(r.smoothing.groups) if r.smoothing.groups is not None else default
-    return alpha, groups
 
 
 def run_recipe(
@@ -114,7 +108,7 @@ def _quantize(
         from .gptq.plan import BitsOptions, BitsRule, PlanError
 
         g = recipe.gptq
-        alpha, groups = _smooth(recipe, GPTQ_GROUPS, on_by_default=False)
+        alpha, groups = smoothing_for(recipe)
         bits = BitsOptions(
             bits=q.bits,
             group_size=q.group_size,
@@ -167,7 +161,7 @@ def _quantize(
         from .nvfp4.layer import NVFP4LayerOptions
 
         n = recipe.nvfp4
-        alpha, groups = _smooth(recipe, NVFP4_GROUPS, on_by_default=True)
+        alpha, groups = smoothing_for(recipe)
         layer4 = NVFP4LayerOptions(
             mse_iters=n.mse_iters, mse_max_shrink=n.mse_max_shrink, smooth_alpha=alpha, smooth_groups=groups
         )

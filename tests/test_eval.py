@@ -22,8 +22,8 @@ from salaquant.eval.metrics import LogitComparison
 from salaquant.eval.niah import FILLER, contains_value, effective_attention, make_case, needle_text, question_text
 from salaquant.eval.thresholds import parse_fraction
 from salaquant.model.loading import load_model
-from salaquant.recipe import EvalGate
 from salaquant.run_recipe import eval_gate
+from salaquant.settings import EvalGate
 from salaquant.workflow import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

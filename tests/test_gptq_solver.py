@@ -98,14 +98,14 @@ def test_zero_row_gets_positive_scale() -> None:
     w[1, 3] = 1e-9  # fp16 underflow territory
     scale = symmetric_scales(w, 4)
     assert (scale > 0).all()
-    q = rtn(w, GPTQConfig(group_size=-1))
+    q = rtn(w, GPTQConfig(group_size=-1, mse=False))
     assert torch.equal(q.dequantize(), torch.zeros(2, 8))
 
 
 def test_rtn_error_bounded_by_half_scale() -> None:
     w = torch.randn(16, 96, generator=_gen(1))
     for bits in (4, 8):
-        q = rtn(w, GPTQConfig(bits=bits, group_size=32))
+        q = rtn(w, GPTQConfig(bits=bits, group_size=32, mse=False))
         s = q.scales.float()[q.g_idx.long()].T
         err = (w - q.dequantize()).abs()
         unclipped = w / s <= 2 ** (bits - 1) - 1
@@ -118,7 +118,7 @@ def test_rtn_error_bounded_by_half_scale() -> None:
 
 def test_dequantize_matches_manual() -> None:
     w = torch.randn(6, 40, generator=_gen(2))
-    q = rtn(w, GPTQConfig(group_size=16))  # 3 groups, the last partial
+    q = rtn(w, GPTQConfig(group_size=16, mse=False))  # 3 groups, the last partial
     assert q.scales.shape == (3, 6) and q.scales.dtype == torch.float16
     assert q.g_idx.tolist() == [i // 16 for i in range(40)]
     manual = torch.empty(6, 40)
@@ -145,7 +145,7 @@ def test_config_validation() -> None:
 def test_gptq_beats_rtn(bits: int, group_size: int, act_order: bool, fp64: bool) -> None:
     w = torch.randn(64, 256, generator=_gen(3))
     h = _correlated_hessian(256, seed=4)
-    cfg = GPTQConfig(bits=bits, group_size=group_size, act_order=act_order, fp64=fp64)
+    cfg = GPTQConfig(bits=bits, group_size=group_size, act_order=act_order, fp64=fp64, mse=False)
     res = gptq(w, h, cfg)
     q_rtn = rtn(w, cfg)
     err_rtn = weighted_error(w, q_rtn.dequantize(), h)
@@ -174,11 +174,11 @@ def test_identity_hessian_equals_rtn(bits: int, group_size: int, mse: bool) -> N
 def test_act_order_static_groups(group_size: int) -> None:
     w = torch.randn(32, 128, generator=_gen(6))
     h = _correlated_hessian(128, seed=7)
-    res = gptq(w, h, GPTQConfig(group_size=group_size, act_order=True))
+    res = gptq(w, h, GPTQConfig(group_size=group_size, act_order=True, mse=False))
     assert res.weight.g_idx.tolist() == (torch.arange(128) // group_size).tolist()
-    assert res.loss < weighted_error(w, rtn(w, GPTQConfig(group_size=group_size)).dequantize(), h)
+    assert res.loss < weighted_error(w, rtn(w, GPTQConfig(group_size=group_size, mse=False)).dequantize(), h)
     # static groups: the scales are the plain RTN scales of the original weight
-    assert torch.equal(res.weight.scales, rtn(w, GPTQConfig(group_size=group_size)).scales)
+    assert torch.equal(res.weight.scales, rtn(w, GPTQConfig(group_size=group_size, mse=False)).scales)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -188,7 +188,9 @@ def test_matches_column_by_column_reference(group_size: int, block_size: int, ac
     h = _correlated_hessian(32, seed=9, tokens=64)
     h[3, :] = 0  # a dead input
     h[:, 3] = 0
-    res = gptq(w, h, GPTQConfig(group_size=group_size, block_size=block_size, act_order=act_order, fp64=True))
+    res = gptq(
+        w, h, GPTQConfig(group_size=group_size, block_size=block_size, act_order=act_order, fp64=True, mse=False)
+    )
     ref_codes, ref_w_hat = _reference_gptq(w, h, 4, group_size, act_order)
     d = w.double() - ref_w_hat
     ref_loss = float(torch.trace(d @ h.double() @ d.T))
@@ -199,7 +201,7 @@ def test_matches_column_by_column_reference(group_size: int, block_size: int, ac
 def test_scale_invariant_in_hessian() -> None:
     w = torch.randn(16, 64, generator=_gen(10))
     h = _correlated_hessian(64, seed=11)
-    cfg = GPTQConfig(group_size=16, fp64=True)
+    cfg = GPTQConfig(group_size=16, fp64=True, mse=False)
     a, b = gptq(w, h, cfg), gptq(w, 1e3 * h, cfg)
     assert (a.weight.codes == b.weight.codes).float().mean() >= 0.99
 
@@ -210,13 +212,13 @@ def test_dead_columns() -> None:
     x[:, [5, 17]] = 0
     w = torch.randn(12, 32, generator=g)
     for act_order in (False, True):
-        res = gptq(w, x.T @ x, GPTQConfig(group_size=8, act_order=act_order))
+        res = gptq(w, x.T @ x, GPTQConfig(group_size=8, act_order=act_order, mse=False))
         w_hat = res.weight.dequantize()
         assert torch.isfinite(w_hat).all() and torch.isfinite(res.weight.scales.float()).all()
         assert (w_hat[:, [5, 17]] == 0).all()
         assert (res.weight.codes[:, [5, 17]] == 8).all()
     # every input dead
-    res = gptq(w, torch.zeros(32, 32), GPTQConfig(group_size=8))
+    res = gptq(w, torch.zeros(32, 32), GPTQConfig(group_size=8, mse=False))
     assert (res.weight.dequantize() == 0).all() and res.loss == 0.0
 
 
@@ -230,14 +232,14 @@ def test_damping_retry_and_failure() -> None:
     # smallest eigenvalue -0.015 * m0, about -0.0152 * mean(diag H): damp 0.01 fails, 0.02 succeeds
     h = (h0 - 0.015 * m0 * torch.eye(n, dtype=torch.float64)).float()
     w = torch.randn(4, n, generator=_gen(14))
-    res = gptq(w, h, GPTQConfig(group_size=-1))
+    res = gptq(w, h, GPTQConfig(group_size=-1, mse=False))
     assert res.damp == pytest.approx(0.02)
     assert torch.isfinite(res.weight.dequantize()).all()
 
     eig[-1] = -5.0  # mean(diag) = 10/16; even damp 1.0 leaves a negative eigenvalue
     hopeless = (q @ torch.diag(eig) @ q.T).float()
     with pytest.raises(ValueError, match="damping"):
-        gptq(w, hopeless, GPTQConfig(group_size=-1))
+        gptq(w, hopeless, GPTQConfig(group_size=-1, mse=False))
 
 
 def test_rejects_bad_inputs() -> None:
@@ -278,7 +280,7 @@ def test_mse_search_never_worse(bits: int) -> None:
             mse_total += float(searched.sum())
         if w is heavy:
             assert mse_total < (0.9 if bits == 4 else 1.0) * plain_total
-    cfg = GPTQConfig(bits=bits, group_size=32)
+    cfg = GPTQConfig(bits=bits, group_size=32, mse=False)
     plain_q, mse_q = rtn(heavy, cfg), rtn(heavy, GPTQConfig(bits=bits, group_size=32, mse=True))
     assert (heavy - mse_q.dequantize()).pow(2).sum() < (heavy - plain_q.dequantize()).pow(2).sum()
 
@@ -289,7 +291,7 @@ def test_gptq_with_mse() -> None:
     cfg = GPTQConfig(group_size=32, mse=True)
     res = gptq(w, h, cfg)
     assert res.loss < weighted_error(w, rtn(w, cfg).dequantize(), h)
-    assert res.loss < gptq(w, h, GPTQConfig(group_size=32)).loss * 1.05
+    assert res.loss < gptq(w, h, GPTQConfig(group_size=32, mse=False)).loss * 1.05
 
 
 def test_relative_output_error() -> None:

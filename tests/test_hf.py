@@ -75,3 +75,29 @@ def test_padded_batch_refused(tiny_ckpt: Path) -> None:
     mask[1, :2] = 0
     with pytest.raises(ValueError, match="padded"):
         model(ids, attention_mask=mask)
+
+
+def test_import_salaquant_registers_lazily(tiny_ckpt: Path) -> None:
+    """In a fresh interpreter ``import salaquant`` loads neither transformers' model code nor a kernel, and
+    ``AutoModelForCausalLM`` then loads a SALA checkpoint with the weights ``load_model`` reads."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import salaquant
+heavy = [m for m in ("transformers.modeling_utils", "triton", "salaquant.model.hf") if m in sys.modules]
+assert not heavy, heavy
+import torch
+from transformers import AutoModelForCausalLM
+from salaquant.model.loading import load_model
+hf = AutoModelForCausalLM.from_pretrained({str(tiny_ckpt)!r}, dtype=torch.float32)
+ours = load_model({str(tiny_ckpt)!r}, dtype="fp32")
+assert type(hf).__name__ == "MiniCPMSALAForCausalLM", type(hf)
+ids = torch.arange(40).view(1, 40)
+with torch.no_grad():
+    assert torch.equal(hf(ids).logits, ours(ids).logits)
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from salaquant.cli import app
 from salaquant.recipe import RecipeError, load_recipe, shipped_recipes
+from salaquant.settings import SMOOTH_BY_DEFAULT, SMOOTH_GROUPS, defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "models" / "sala-tiny")
@@ -36,19 +37,27 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 def test_shipped_recipes_listed_and_valid() -> None:
     names = set(shipped_recipes())
-    assert names == {
-        "gptq-w4a16-dense-smooth",
-        "nvfp4-awq-mixed",
-        "nvfp4-awq-dense-all",
-        "gptq-w4-mlp-w8-attn",
-        "rtn-w4a16",
-    }
+    assert names == {"gptq-w4a16", "nvfp4", "nvfp4-dense-all", "gptq-w4-mlp-w8-attn", "rtn-w4a16"}
     for name in names:
         r = load_recipe(name)
         assert r.description
-    assert load_recipe("nvfp4-awq-dense-all").nvfp4.mse_iters == 120
     res = runner.invoke(app, ["recipes"])
     assert res.exit_code == 0 and all(n in res.output for n in names)
+
+
+@pytest.mark.parametrize(("name", "method"), [("gptq-w4a16", "gptq"), ("nvfp4", "nvfp4")])
+def test_default_recipes_are_the_defaults(name: str, method: str) -> None:
+    """The recipes named for a method alone run exactly what its flags run by default."""
+    got = load_recipe(name).model_dump(mode="json")
+    want = defaults(method).model_dump(mode="json")
+    got.pop("description"), want.pop("description")
+    assert got["smoothing"].pop("enabled") in (None, SMOOTH_BY_DEFAULT[method])
+    want["smoothing"].pop("enabled")
+    assert got["smoothing"].pop("groups") in (None, list(SMOOTH_GROUPS[method]))
+    want["smoothing"].pop("groups")
+    assert got["export"].pop("checkpoint_format") == ("modelopt" if method == "nvfp4" else "gptq")
+    want["export"].pop("checkpoint_format")
+    assert got == want
 
 
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))

@@ -23,26 +23,27 @@ from ..formats.gptq_v1.packing import pack_gptq_v1
 from ..model.config import SalaConfig
 from ..model.layout import input_groups
 from ..model.modeling import DecoderLayer
+from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
 from ..stats import GroupStats, LayerStats
 from .solver import GPTQConfig, GPTQResult, error_ratio, gptq, row_weighted_errors, rtn
 
-GPTQ_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+_DEFAULTS = defaults("gptq")
 
 
 @dataclass(frozen=True)
 class GPTQLayerOptions:
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = False
-    mse: bool = True  # clipped scales searched per (row, group) for the least squared error
-    fp64: bool = False
-    # None: no smoothing. Off by default: with MSE scales, SmoothQuant raised the tiny model's perplexity increase on
-    # text outside the calibration set for every alpha tried (benchmarks/gptq_variants.py); activations stay 16-bit.
-    smooth_alpha: float | None = None
-    smooth_groups: tuple[str, ...] = GPTQ_SMOOTH_GROUPS
-    hessian_weighting: str = "samples"  # "samples": every sample weighs the same; "tokens": every token
-    method: str = "gptq"  # or "rtn": round to nearest on the same grid (the baseline), same export
+    """The GPTQ settings of one layer's solve; defaults are ``salaquant.settings``'."""
+
+    damp: float = _DEFAULTS.gptq.damp
+    block_size: int = _DEFAULTS.gptq.block_size
+    act_order: bool = _DEFAULTS.gptq.act_order
+    mse: bool = _DEFAULTS.gptq.mse  # clipped scales searched per (row, group) for the least squared error
+    fp64: bool = _DEFAULTS.gptq.fp64
+    smooth_alpha: float | None = smoothing_for(_DEFAULTS)[0]  # None: no smoothing
+    smooth_groups: tuple[str, ...] = smoothing_for(_DEFAULTS)[1]
+    hessian_weighting: str = _DEFAULTS.gptq.hessian_weighting  # "samples": every sample weighs the same; "tokens"
+    method: str = _DEFAULTS.method  # or "rtn": round to nearest on the same grid (the baseline), same export
 
     def solver_config(self, bits: int, group_size: int) -> GPTQConfig:
         return GPTQConfig(

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.gptq import BACKENDS, best_scale, gptq_columns
+from ..settings import defaults
 
 _FP16 = torch.finfo(torch.float16)
+_DEFAULTS = defaults("gptq")  # the user-facing settings' defaults (the rest are the solver's own)
 
 
 @dataclass(frozen=True)
@@ -35,17 +37,17 @@ class GPTQConfig:
     shrink factors ``1, 1 - 1/mse_grid, ..., 1 - mse_maxshrink`` per (row, group) for the least squared error.
     """
 
-    bits: int = 4
-    group_size: int = 128
-    damp: float = 0.01
+    bits: int = _DEFAULTS.quantization.bits
+    group_size: int = _DEFAULTS.quantization.group_size
+    damp: float = _DEFAULTS.gptq.damp
     damp_step: float = 0.01
     max_damp: float = 1.0
-    block_size: int = 128
-    act_order: bool = False
-    mse: bool = False
+    block_size: int = _DEFAULTS.gptq.block_size
+    act_order: bool = _DEFAULTS.gptq.act_order
+    mse: bool = _DEFAULTS.gptq.mse
     mse_grid: int = 100
     mse_maxshrink: float = 0.8
-    fp64: bool = False
+    fp64: bool = _DEFAULTS.gptq.fp64
     backend: str = "auto"  # column sweep and scale search: "auto", "triton" or "reference" (salaquant.kernels.gptq)
 
     def __post_init__(self) -> None:

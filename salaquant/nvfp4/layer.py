@@ -20,21 +20,24 @@ from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantiz
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
+from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
 from ..stats import LayerStats
 from .plan import NVFP4Plan
 from .search import search_block_scales
 
-NVFP4_SMOOTH_GROUPS = ("attn_in", "attn_out", "mlp_in")  # not up_proj -> down_proj
+_DEFAULTS = defaults("nvfp4")
 _TINY = torch.finfo(torch.float32).tiny  # an all-zero weight gets a positive global scale, not 0/0 block scales
 
 
 @dataclass(frozen=True)
 class NVFP4LayerOptions:
-    mse_iters: int = 80  # 0: plain block scales
-    mse_max_shrink: float = 0.6
-    smooth_alpha: float | None = 0.5
-    smooth_groups: tuple[str, ...] = NVFP4_SMOOTH_GROUPS
+    """The NVFP4 settings of one layer; defaults are ``salaquant.settings``'."""
+
+    mse_iters: int = _DEFAULTS.nvfp4.mse_iters  # 0: plain block scales
+    mse_max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink
+    smooth_alpha: float | None = smoothing_for(_DEFAULTS)[0]  # None: no smoothing
+    smooth_groups: tuple[str, ...] = smoothing_for(_DEFAULTS)[1]
 
 
 def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:

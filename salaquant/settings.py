@@ -1,0 +1,145 @@
+"""Every setting of a quantization run, with its one default: the schema behind recipe files, the ``gptq`` /
+``nvfp4`` / ``calibrate`` flags and the quantizers' layer options (which take their defaults from here).
+
+Sections are frozen pydantic models that forbid unknown keys; `defaults` gives a method's complete settings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .model.layout import GROUP_NAMES
+
+SMOOTH_GROUPS: dict[str, tuple[str, ...]] = {
+    "gptq": GROUP_NAMES,
+    "rtn": GROUP_NAMES,
+    "nvfp4": ("attn_in", "attn_out", "mlp_in"),  # not up_proj -> down_proj
+}
+"""The input groups each method may smooth (all of them by default)."""
+SMOOTH_BY_DEFAULT: dict[str, bool] = {"gptq": False, "rtn": False, "nvfp4": True}
+"""Whether a method smooths when the recipe does not say: off for weight-only GPTQ (with MSE scales SmoothQuant
+raised the perplexity increase on text outside the calibration set for every alpha tried: docs/gptq.md)."""
+SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(_Section):
+    sources: list[str] = Field(default_factory=list, description="files, folders or hf:NAME datasets")
+    max_samples: int | None = Field(96, ge=1)
+    max_len: int = Field(131072, ge=1)
+    min_len: int = Field(1, ge=1)
+    shuffle: bool = False
+    seed: int = 0
+    field: str | None = None
+
+
+class Smoothing(_Section):
+    enabled: bool | None = Field(None, description="default: SMOOTH_BY_DEFAULT (off for gptq and rtn, on for nvfp4)")
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    groups: list[str] | None = Field(None, description="default: all the method's groups")
+
+
+class BitsRuleModel(_Section):
+    match: str
+    bits: Literal[4, 8, 16] | None = None
+    group_size: Literal[-1, 32, 64, 128] | None = None
+
+    @field_validator("match")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression ({exc})") from exc
+        return v
+
+
+class Quantization(_Section):
+    bits: Literal[4, 8, 16] = 4
+    group_size: Literal[-1, 32, 64, 128] = 128
+    minicpm4_bits: Literal[4, 8, 16] | None = None
+    lightning_bits: Literal[4, 8, 16] | None = None
+    layer_bits: str = Field("", description='e.g. "0:8,2-7:4" (16 = bf16)')
+    rules: list[BitsRuleModel] = Field(default_factory=list, description="first match wins")
+    exclude: list[str] = Field(default_factory=list)
+
+
+class GPTQSection(_Section):
+    damp: float = Field(0.01, gt=0.0, le=1.0)
+    block_size: int = Field(128, ge=1)
+    act_order: bool = False
+    mse: bool = True
+    fp64: bool = False
+    hessian_weighting: Literal["samples", "tokens"] = "samples"
+    quantize_lm_head: bool = Field(False, description="refused when true: no engine serves a quantized lm_head")
+
+
+class NVFP4Section(_Section):
+    dense_all: bool = False
+    exclude: list[str] = Field(default_factory=list)
+    mse_iters: int = Field(80, ge=0, le=10000)
+    mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
+
+
+class Engine(_Section):
+    device: str = "auto"
+    chunk_tokens: int = Field(8192, ge=1)
+    propagate: Literal["quantized", "float"] = "quantized"
+
+
+class Export(_Section):
+    shard_size: str = "4GB"
+    checkpoint_format: Literal["gptq", "modelopt"] | None = None
+    tp: int = Field(1, ge=1)
+    marlin_fallback: bool = True
+
+    @field_validator("shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if not SIZE_RE.match(v):
+            raise ValueError("expected a size such as 4GB, 500MB or 2GiB")
+        return v
+
+
+class EvalGate(_Section):
+    data: str | None = Field(None, description="held-out text (same formats as calibration)")
+    seq_len: int = Field(1024, ge=2)
+    windows: int = Field(8, ge=1)
+    max_ppl_increase: float | None = Field(None, ge=0.0, description="fraction, e.g. 0.05 = +5%")
+    max_kl: float | None = Field(None, ge=0.0)
+    min_top1: float | None = Field(None, ge=0.0, le=1.0)
+
+
+class Recipe(_Section):
+    method: Literal["gptq", "nvfp4", "rtn"]
+    description: str = ""
+    calibration: Calibration = Calibration()
+    smoothing: Smoothing = Smoothing()
+    quantization: Quantization = Quantization()
+    gptq: GPTQSection = GPTQSection()
+    nvfp4: NVFP4Section = NVFP4Section()
+    engine: Engine = Engine()
+    export: Export = Export()
+    eval: EvalGate = EvalGate()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def defaults(method: str) -> Recipe:
+    """The settings of ``method`` (gptq, rtn or nvfp4) when nothing is given."""
+    return Recipe.model_validate({"method": method})
+
+
+def smoothing_for(recipe: Recipe) -> tuple[float | None, tuple[str, ...]]:
+    """``(alpha, groups)`` the recipe's quantizer smooths with: alpha None when smoothing is off."""
+    enabled = SMOOTH_BY_DEFAULT[recipe.method] if recipe.smoothing.enabled is None else recipe.smoothing.enabled
+    groups = tuple(recipe.smoothing.groups) if recipe.smoothing.groups is not None else SMOOTH_GROUPS[recipe.method]
+    return (recipe.smoothing.alpha if enabled else None), groups
