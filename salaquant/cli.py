@@ -14,8 +14,7 @@ from . import __version__
 from .model.checkpoint import CheckpointError
 from .model.config import ConfigError
 from .progress import console as make_console
-from .run_recipe import parse_size
-from .settings import SMOOTH_BY_DEFAULT, defaults
+from .settings import SMOOTH_BY_DEFAULT, defaults, parse_size
 
 _GPTQ, _NVFP4 = defaults("gptq"), defaults("nvfp4")  # every flag's default comes from the settings
 

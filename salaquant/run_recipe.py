@@ -13,25 +13,11 @@ from .calib_data import CalibOptions
 from .model.checkpoint import replace_folder
 from .outputs import check_no_overlap, check_output
 from .recipe import RecipeError, rule_line
-from .settings import EvalGate, Recipe, smoothing_for
+from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
 
 class GateFailed(RuntimeError):
     """The exported checkpoint missed a threshold of the recipe's eval gate."""
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    t = text.strip().upper()
-    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(unit):
-            try:
-                return int(float(t[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    if t.isdigit():
-        return int(t)
-    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
 
 
 def calib_options(r: Recipe) -> CalibOptions:

@@ -26,6 +26,20 @@ raised the perplexity increase on text outside the calibration set for every alp
 SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
 
 
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

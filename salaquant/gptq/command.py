@@ -18,24 +18,30 @@ from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
 from ..formats.gptq_v1.config import quantization_config
 from ..outputs import work_dir_for
+from ..settings import defaults, parse_size
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
 from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
 
+_DEFAULTS = defaults("gptq")
+
 
 @dataclass(frozen=True)
 class RunOptions:
-    device: str = "auto"
-    chunk_tokens: int = 8192
-    propagate: str = "quantized"
-    tp: int = 1
-    max_shard_bytes: int = 4 * 10**9
+    """How a GPTQ run executes and exports; defaults are ``salaquant.settings``'."""
+
+    device: str = _DEFAULTS.engine.device
+    chunk_tokens: int = _DEFAULTS.engine.chunk_tokens
+    propagate: str = _DEFAULTS.engine.propagate
+    tp: int = _DEFAULTS.export.tp
+    max_shard_bytes: int = parse_size(_DEFAULTS.export.shard_size)
     resume: bool = False
     overwrite: bool = False
     show_progress: bool = True
-    marlin_fallback: bool = True  # keep linears that gptq_marlin cannot serve in bf16 (else the checker fails)
+    # keep linears that gptq_marlin cannot serve in bf16 (else the checker fails)
+    marlin_fallback: bool = _DEFAULTS.export.marlin_fallback
 
 
 def _summary_table(reports: list[dict[str, Any]]) -> tuple[Table, dict[str, dict[str, float]]]:

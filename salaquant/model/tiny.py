@@ -9,19 +9,8 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointWriter
-from .config import SalaConfig
+from .config import DEFAULT_SPARSE_CONFIG, SalaConfig
 from .layout import parameter_shapes
-
-REAL_SPARSE_CONFIG = {
-    "kernel_size": 32,
-    "kernel_stride": 16,
-    "init_blocks": 1,
-    "block_size": 64,
-    "window_size": 2048,
-    "topk": 64,
-    "use_nope": False,
-    "dense_len": 8192,
-}
 
 # The published MiniCPM-SALA config.json (architecture fields), sparse layers at 0, 9, 16, 17, 22, 29, 30, 31.
 _SPARSE_LAYERS = {0, 9, 16, 17, 22, 29, 30, 31}
@@ -64,7 +53,7 @@ FULL_CONFIG: dict[str, Any] = {
     "qk_norm": True,
     "use_output_gate": True,
     "use_output_norm": True,
-    "sparse_config": REAL_SPARSE_CONFIG,
+    "sparse_config": dict(DEFAULT_SPARSE_CONFIG),
     "dtype": "bfloat16",
 }
 
@@ -117,7 +106,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         lightning_head_dim=64,
         max_position_embeddings=8192,
         mixer_types=["minicpm4"] + ["lightning-attn"] * 6 + ["minicpm4"],
-        sparse_config={**REAL_SPARSE_CONFIG, "window_size": 512, "topk": 8, "dense_len": 1024},
+        sparse_config={**DEFAULT_SPARSE_CONFIG, "window_size": 512, "topk": 8, "dense_len": 1024},
     ),
     # The real 9.48B shape (random weights): for GPU benchmarks.
     "full": copy.deepcopy(FULL_CONFIG),

@@ -18,21 +18,26 @@ from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
 from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config
 from ..outputs import work_dir_for
+from ..settings import defaults, parse_size
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
 from .plan import build_nvfp4_plan
 
+_DEFAULTS = defaults("nvfp4")
+
 
 @dataclass(frozen=True)
 class NVFP4RunOptions:
-    dense_all: bool = False
+    """Which linears an NVFP4 run quantizes, how it executes and exports; defaults are ``salaquant.settings``'."""
+
+    dense_all: bool = _DEFAULTS.nvfp4.dense_all
     exclude: tuple[str, ...] = ()
-    device: str = "auto"
-    chunk_tokens: int = 8192
-    propagate: str = "quantized"
-    max_shard_bytes: int = 4 * 10**9
+    device: str = _DEFAULTS.engine.device
+    chunk_tokens: int = _DEFAULTS.engine.chunk_tokens
+    propagate: str = _DEFAULTS.engine.propagate
+    max_shard_bytes: int = parse_size(_DEFAULTS.export.shard_size)
     resume: bool = False
     overwrite: bool = False
     show_progress: bool = True
