@@ -651,10 +651,7 @@ def check(
         f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
         f"{len(report.unquantized)} kept in 16 bits"
     )
-    for line in report.serving:
-        console.print(line, markup=False, highlight=False)
-    for w in report.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+    report.print_to(console)
 
 
 def interrupted(exc: KeyboardInterrupt) -> None:

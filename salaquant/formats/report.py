@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class CheckError(ValueError):
@@ -22,6 +23,13 @@ class CheckReport:
     unquantized: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     serving: list[str] = field(default_factory=list)  # how SGLang serves it and on which GPUs
+
+    def print_to(self, console: Any) -> None:
+        """Print the serving lines and the warnings on a rich ``Console``."""
+        for line in self.serving:
+            console.print(line, markup=False, highlight=False)
+        for w in self.warnings:
+            console.print(f"[yellow]warning:[/] {w}")
 
 
 def fail(errors: list[str], where: str) -> None:

@@ -150,8 +150,5 @@ def run_gptq(
             f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
             f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
         )
-        for line in check.serving:
-            console.print(line, markup=False, highlight=False)
-        for w in check.warnings:
-            console.print(f"[yellow]warning:[/] {w}")
+        check.print_to(console)
     return output

@@ -124,7 +124,6 @@ def marlin_exclusions(config: SalaConfig, plan: dict[str, LinearPlan], tp: int) 
     changing ``plan`` in place; returns {linear: reasons} for the linears it excluded."""
     from ..formats.gptq_v1.check import marlin_shape_problems
 
-    raw = config.to_dict()
     excluded: dict[str, list[str]] = {}
     for i, kind in enumerate(config.mixer_types):
         specs = {s.name: s for s in layer_linears(config, kind)}
@@ -133,7 +132,7 @@ def marlin_exclusions(config: SalaConfig, plan: dict[str, LinearPlan], tp: int) 
             full = f"model.layers.{i}.{name}"
             p = plan[full]
             if p.bits is not None:
-                found = marlin_shape_problems(raw, full, spec.in_features, spec.out_features, p.group_size, tp)
+                found = marlin_shape_problems(config, full, spec.in_features, spec.out_features, p.group_size, tp)
                 if found:
                     problems[name] = found
         for members in FUSED_PARAMETERS.values():

@@ -24,33 +24,34 @@ class LinearSpec:
     in_features: int
 
 
+def head_dim(config: SalaConfig, kind: str) -> int:
+    """Attention head size of a decoder layer of the given mixer kind (lightning layers have their own)."""
+    if kind == SPARSE:
+        return config.head_dim
+    if kind == LIGHTNING:
+        return config.lightning_head_dim
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
 def layer_linears(config: SalaConfig, kind: str) -> list[LinearSpec]:
     """The linears of one decoder layer of the given mixer kind, in execution order."""
     h, inter = config.hidden_size, config.intermediate_size
     if kind == SPARSE:
-        qd = config.num_attention_heads * config.head_dim
-        kvd = config.num_key_value_heads * config.head_dim
-        attn = [
-            LinearSpec("self_attn.q_proj", qd, h),
-            LinearSpec("self_attn.k_proj", kvd, h),
-            LinearSpec("self_attn.v_proj", kvd, h),
-        ]
-        if config.attn_use_output_gate:
-            attn.append(LinearSpec("self_attn.o_gate", qd, h))
-        attn.append(LinearSpec("self_attn.o_proj", h, qd))
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        gate = "self_attn.o_gate" if config.attn_use_output_gate else None
     elif kind == LIGHTNING:
-        qd = config.lightning_nh * config.lightning_head_dim
-        kvd = config.lightning_nkv * config.lightning_head_dim
-        attn = [
-            LinearSpec("self_attn.q_proj", qd, h),
-            LinearSpec("self_attn.k_proj", kvd, h),
-            LinearSpec("self_attn.v_proj", kvd, h),
-        ]
-        if config.use_output_gate:
-            attn.append(LinearSpec("self_attn.z_proj", qd, h))
-        attn.append(LinearSpec("self_attn.o_proj", h, qd))
+        heads, kv_heads, head_dim = config.lightning_nh, config.lightning_nkv, config.lightning_head_dim
+        gate = "self_attn.z_proj" if config.use_output_gate else None
     else:
         raise ValueError(f"unknown layer kind {kind!r}")
+    qd, kvd = heads * head_dim, kv_heads * head_dim
+    attn = [
+        LinearSpec("self_attn.q_proj", qd, h),
+        LinearSpec("self_attn.k_proj", kvd, h),
+        LinearSpec("self_attn.v_proj", kvd, h),
+        *([LinearSpec(gate, qd, h)] if gate else []),
+        LinearSpec("self_attn.o_proj", h, qd),
+    ]
     mlp = [
         LinearSpec("mlp.gate_proj", inter, h),
         LinearSpec("mlp.up_proj", inter, h),

@@ -127,6 +127,5 @@ def run_nvfp4(
             f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
             f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
         )
-        for line in check.serving:
-            console.print(line, markup=False, highlight=False)
+        check.print_to(console)
     return output

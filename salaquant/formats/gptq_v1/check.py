@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from ...model.checkpoint import CheckpointReader
-from ...model.config import LIGHTNING, ConfigError, normalize_mixer
-from ...model.layout import TP_SPLIT, fused_name, split_layer_name
+from ...model.config import SalaConfig
+from ...model.layout import TP_SPLIT, fused_name, head_dim, split_layer_name
 from ...serving import LM_HEAD_REFUSAL
 from ..report import CheckReport, fail
 from .dynamic import first_match, resolve
@@ -96,25 +96,6 @@ def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str
     return dynamic
 
 
-def _head_dim(config: dict[str, Any], layer: int) -> int | None:
-    """Attention head size of decoder layer ``layer`` (lightning layers may have their own)."""
-    mixers = config.get("mixer_types")
-    kind = None
-    if isinstance(mixers, list) and layer < len(mixers):
-        try:
-            kind = normalize_mixer(mixers[layer], layer)
-        except ConfigError:
-            kind = None
-    value = config.get("lightning_head_dim") if kind == LIGHTNING else None
-    if value is None:
-        value = config.get("head_dim")
-    if value is None:
-        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-        if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-            value = hidden // heads
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def _partition(
     name: str, kind: str | None, in_f: int, out_f: int, tp: int, head_dim: int | None, errors: list[str]
 ) -> tuple[int, int] | None:
@@ -157,13 +138,20 @@ def _marlin_shape(name: str, in_p: int, out_p: int, gs: int, tp: int, errors: li
         errors.append(f"{tensor}: input partition {in_p}{split} is not a multiple of group_size {gs}")
 
 
+def _layer_head_dim(config: SalaConfig, module: str) -> int | None:
+    parts = split_layer_name(module)
+    if parts is None or not 0 <= parts[0] < config.num_hidden_layers:
+        return None
+    return head_dim(config, config.mixer_types[parts[0]])
+
+
 def marlin_shape_problems(
-    config: dict[str, Any], module: str, in_features: int, out_features: int, group_size: int, tp: int = 1
+    config: SalaConfig, module: str, in_features: int, out_features: int, group_size: int, tp: int = 1
 ) -> list[str]:
     """What gptq_marlin would refuse about this decoder linear's tensor-parallel shard (empty when it fits)."""
     parts = split_layer_name(module)
     kind = parts[1] if parts and parts[1] in TP_SPLIT else None
-    head_dim = _head_dim(config, parts[0]) if parts else None
+    head_dim = _layer_head_dim(config, module)
     errors: list[str] = []
     part = _partition(module, kind, in_features, out_features, tp, head_dim, errors)
     if part is not None:
@@ -295,6 +283,7 @@ def _rule(pattern: str | None) -> str:
 def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> CheckReport:
     """Check a GPTQ (v1) checkpoint for vLLM / SGLang ``gptq_marlin``."""
     qc: dict[str, Any] = config["quantization_config"]
+    sala = SalaConfig.from_dict(config)  # valid: check_checkpoint checked the tensors against it
     errors: list[str] = []
     report = CheckReport(format="gptq")
     dynamic = _check_gptq_config(qc, errors, report.warnings)
@@ -399,9 +388,8 @@ def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Che
                     f"{module}.qweight: quantized, but modules_in_block_to_quantize does not list it "
                     "(vLLM would build an unquantized layer)"
                 )
-            parts = split_layer_name(module)
-            head_dim = _head_dim(config, parts[0]) if parts else None
-            _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head_dim, errors)
+            head = _layer_head_dim(sala, module)
+            _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head, errors)
             report.quantized.append(module)
         else:
             why = "lm_head=false" if module == "lm_head" and not lm_head_flag else f"dynamic {_rule(rule)}"
