@@ -1,10 +1,10 @@
 """Simple GLA kernels against fla: chunked prefill and recurrent decode at SALA's shape (H=32, D=128).
 
-Prefill: B=1, T in {8192, 32768, 131072}, no initial state, final state out, bf16 and fp32 inputs
-(fp32 is what SALA feeds; for it every ``tl.dot`` precision is timed), each with an fp32 and a bf16 output
-(fla returns the input dtype; the model takes bf16). Decode: T=1, B in {1, 8, 64},
-fp32 inputs and states, new state written or updated in place. fla (``chunk_simple_gla`` /
-``fused_recurrent_simple_gla``) is timed when importable. ``speedup`` = fla time / our time.
+Prefill: B=1, T in {8192, 32768, 131072}, no initial state, final state out, bf16 and fp32 inputs (TF32 dots for
+fp32), each with an fp32 and a bf16 output (fla returns the input dtype; the model takes bf16), and bf16 inputs
+computed in fp32 (``upcast``, the runtime's case). Decode: T=1, B in {1, 8, 64}, fp32 inputs and states. fla
+(``chunk_simple_gla`` / ``fused_recurrent_simple_gla``) is timed when importable. ``speedup`` = fla time / our
+time.
 
   python benchmarks/kernels_gla.py --out OUT [--prefill-t 8192,32768,131072 --decode-b 1,8,64]
 """
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from salaquant.kernels.gla import recurrent_gla
-from salaquant.kernels.gla import triton_kernels as gla_kernels
 
+from salaquant.kernels.gla import triton_kernels as gla_kernels
 from salaquant.model import gla as ref
 
 H, D = 32, 128
@@ -62,7 +61,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
     rows = []
     g = -ref.alibi_slopes(H).cuda()
     for t in ts:
-        for dtype, precisions in ((torch.bfloat16, ["tf32"]), (torch.float32, ["tf32", "tf32x3", "ieee"])):
+        for dtype in (torch.bfloat16, torch.float32):
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, t, H, D, device="cuda").to(dtype) for _ in range(3))
             fla_out = None
@@ -77,29 +76,25 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
             # fp32 and bf16 outputs: fla returns the input dtype (a like-for-like time for bf16 inputs); the model
             # computes in fp32 and takes a bf16 output: the runtime passes bf16 activations with upcast (read as
             # bf16, computed in fp32 with TF32 dots), the same numbers as the fp32 inputs' rows
-            variants = [(p, od, False) for p in precisions for od in (torch.float32, torch.bfloat16)]
+            variants = [(od, False) for od in (torch.float32, torch.bfloat16)]
             if dtype == torch.bfloat16:
-                variants.append(("tf32", torch.bfloat16, True))
-            for precision, out_dtype, upcast in variants:
-                if precision != "tf32" and out_dtype != torch.float32:
-                    continue  # the slower precisions once each
-                case = f"prefill T={t} {dtype}: {precision} out={out_dtype} upcast={upcast}"
+                variants.append((torch.bfloat16, True))
+            for out_dtype, upcast in variants:
+                case = f"prefill T={t} {dtype}: out={out_dtype} upcast={upcast}"
                 print(case, file=sys.stderr, flush=True)
                 row: dict = {
                     "kernel": "chunk",
                     "B": 1,
                     "T": t,
                     "dtype": str(dtype).removeprefix("torch."),
-                    "precision": precision if dtype == torch.float32 or upcast else "-",
+                    "precision": "tf32" if dtype == torch.float32 or upcast else "-",  # the dots on fp32 operands
                     "upcast": upcast,
                     "out_dtype": str(out_dtype).removeprefix("torch."),
                     "fla_ms": fla_ms,
                 }
 
-                def ours(q=q, k=k, v=v, precision=precision, out_dtype=out_dtype, upcast=upcast) -> object:
-                    return gla_kernels.chunk_fwd(
-                        q, k, v, g, SCALE, None, True, precision=precision, out_dtype=out_dtype, upcast=upcast
-                    )
+                def ours(q=q, k=k, v=v, out_dtype=out_dtype, upcast=upcast) -> object:
+                    return gla_kernels.chunk_fwd(q, k, v, g, SCALE, None, True, out_dtype=out_dtype, upcast=upcast)
 
                 _timed(row, "ours_ms", ours)
                 if row["ours_ms"] is not None:
@@ -125,7 +120,6 @@ def _decode_rows(b: int, g: torch.Tensor, fla_rec: Callable | None) -> list[dict
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, 1, H, D, device="cuda") for _ in range(3))
     s0 = torch.randn(b, H, D, D, device="cuda")
-    state = s0.clone()
     state_bytes = 2 * s0.numel() * 4
     fla_ms = None
     fla_out = None
@@ -133,27 +127,24 @@ def _decode_rows(b: int, g: torch.Tensor, fla_rec: Callable | None) -> list[dict
         fla_out = fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True)
         fla_ms = _bench(lambda: fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True))
     ref_out = ref.recurrent_gla(q, k, v, g, SCALE, s0, True)
-    cases: dict[str, Callable[[], tuple]] = {
-        "new_state": lambda: recurrent_gla(q, k, v, g, SCALE, s0, True),
-        "inplace": lambda: recurrent_gla(q, k, v, g, SCALE, state, inplace=True),
-    }
-    rows = []
-    for mode, ours in cases.items():
-        row: dict = {"kernel": "recurrent", "B": b, "T": 1, "dtype": "float32", "mode": mode, "fla_ms": fla_ms}
-        _timed(row, "ours_ms", ours)
-        if mode == "new_state" and row["ours_ms"] is not None:
-            o, s = ours()
-            row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
-            row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
-            if fla_out is not None:
-                row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
-                row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
-        if fla_ms is not None and row["ours_ms"]:
-            row["speedup"] = fla_ms / row["ours_ms"]
-        # fp32 state read and written
-        row["ours_tb_s"] = state_bytes / row["ours_ms"] / 1e9 if row["ours_ms"] else None
-        rows.append(row)
-    return rows
+
+    def ours() -> tuple:
+        return gla_kernels.recurrent_fwd(q, k, v, g, SCALE, s0, True)
+
+    row: dict = {"kernel": "recurrent", "B": b, "T": 1, "dtype": "float32", "mode": "new_state", "fla_ms": fla_ms}
+    _timed(row, "ours_ms", ours)
+    if row["ours_ms"] is not None:
+        o, s = ours()
+        row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
+        row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
+        if fla_out is not None:
+            row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
+            row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
+    if fla_ms is not None and row["ours_ms"]:
+        row["speedup"] = fla_ms / row["ours_ms"]
+    # fp32 state read and written
+    row["ours_tb_s"] = state_bytes / row["ours_ms"] / 1e9 if row["ours_ms"] else None
+    return [row]
 
 
 def decode(bs: list[int], fla_rec: Callable | None) -> list[dict]:

@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 import triton
 from results import write_results
-from salaquant.kernels.nvfp4 import DEQUANT_MIN_M, nvfp4_matmul, nvfp4_matmul_reference
-from salaquant.kernels.nvfp4 import triton_kernels as tk
 from triton.testing import do_bench, do_bench_cudagraph
+
+from salaquant.kernels.backend import DEQUANT_MIN_M
+from salaquant.kernels.nvfp4 import nvfp4_matmul, nvfp4_matmul_reference
+from salaquant.kernels.nvfp4 import triton_kernels as tk
 
 SHAPES: dict[str, tuple[int, int]] = {
     "gate_up": (4096, 32768),
@@ -101,10 +103,6 @@ def _candidates(m: int, k: int, n: int) -> list[tk.NVFP4Config]:
                 tk.NVFP4Config("paired", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1)
                 for s in sorted({max(1, paired.split_k // 2), paired.split_k, paired.split_k * 2})
             ]
-        for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (32, 128, 4)):
-            cands += [
-                tk.NVFP4Config("gemv", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1) for s in splits
-            ]
     if m <= 16:
         tiles = ((64, 128, 4, 1), (64, 256, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (64, 128, 4, 2), (64, 128, 4, 3))
         for bn, bk, warps, stages in tiles:
@@ -147,28 +145,38 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
     ref = nvfp4_matmul_reference(x.float(), *copies[0])
     scale = float(ref.abs().max())
 
-    def run(backend: str) -> tuple[float | None, float | None, str | None]:
+    def dequant_linear(c: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, tk.nvfp4_dequantize_triton(*c, dtype=x.dtype))
+
+    paths: dict[str, Callable[[tuple], torch.Tensor]] = {
+        "triton": lambda c: tk.nvfp4_matmul_triton(x, *c),  # the fused kernels (default config)
+        "dequant": dequant_linear,  # the weight dequantized, then cuBLAS
+    }
+
+    def run(path: str) -> tuple[float | None, float | None, str | None]:
         try:
-            y = nvfp4_matmul(x, *copies[0], backend=backend)
+            y = paths[path](copies[0])
             err = float((y.float() - ref).abs().max()) / scale
-            fns = [lambda c=c: nvfp4_matmul(x, *c, backend=backend) for c in copies]
-            row[f"{backend}_eager_us"] = _eager_us(fns)
+            fns = [lambda c=c: paths[path](c) for c in copies]
+            row[f"{path}_eager_us"] = _eager_us(fns)
             return _time_us(fns), err, None
         except Exception as e:  # a failing path is reported, not fatal
             return None, None, f"{type(e).__name__}: {e}"[:300]
 
-    row["auto_path"] = "dequant" if m >= DEQUANT_MIN_M else "triton"
+    row["auto_path"] = "dequant" if m >= DEQUANT_MIN_M else "triton"  # what nvfp4_matmul takes on CUDA
     row["default_config"] = dataclasses.asdict(tk.default_config(m, n, k, DEVICE, x.dtype))
     if m == 1:  # the tensor-core kernel the paired GEMV replaced for one row
         dot = tk.default_config(m, n, k, DEVICE)
         row["dot_us"] = _time_us([lambda c=c: tk.nvfp4_matmul_triton(x, *c, config=dot) for c in copies])
         y = tk.nvfp4_matmul_triton(x, *copies[0], config=dot)
         row["dot_max_rel_err"] = float((y.float() - ref).abs().max()) / scale
-    for backend in ("triton", "dequant") if m >= 128 else ("triton",):
-        us, err, fail = run(backend)
-        row[f"{backend}_us"], row[f"{backend}_max_rel_err"] = us, err
+    for path in ("triton", "dequant") if m >= 128 else ("triton",):
+        us, err, fail = run(path)
+        row[f"{path}_us"], row[f"{path}_max_rel_err"] = us, err
         if fail:
-            row[f"{backend}_error"] = fail
+            row[f"{path}_error"] = fail
+    y = nvfp4_matmul(x, *copies[0])  # the dispatch takes the path named auto_path
+    row["auto_max_rel_err"] = float((y.float() - ref).abs().max()) / scale
     if m <= 16 and row["auto_path"] == "triton":  # the same launches with programmatic dependent launch
         fns = [lambda c=c: tk.nvfp4_matmul_triton(x, *c, pdl=True) for c in copies]
         row["triton_pdl_us"] = _time_us(fns)
@@ -255,7 +263,6 @@ def main() -> None:
         "triton": triton.__version__,
         "copies": COPIES,
         "dequant_min_m": DEQUANT_MIN_M,
-        "gemv_max_m": tk.GEMV_MAX_M,
         "rows": rows,
     }
     write_results(args.out, "kernels_nvfp4.json", res)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from results import write_results
+
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
 
@@ -108,17 +109,10 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["paired_pdl"] = _time_us(lambda i: tk.matmul_paired(x, qweight[i], scales[i], 4, GROUP, pdl=True), rep)
     elif m <= 16:
         alt["mma_rows_pdl"] = _time_us(lambda i: tk.matmul_mma_rows(x, qweight[i], scales[i], 4, GROUP, pdl=True), rep)
-    if m == 1:
+    if m == 1:  # the fp32 GEMV, which 8-bit codes and fp32 activations take
         alt["gemv"] = _time_us(lambda i: tk.matmul_gemv(x, qweight[i], scales[i], 4, GROUP), rep)
-        alt["flat"] = _time_us(
-            lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, block_n=64, block_k=128, num_warps=2), rep
-        )
-    if m <= 16:  # the weights-left kernel at M=1 too; the earlier 2-16-row default beside it
-        alt["wleft"] = _time_us(lambda i: tk.matmul_wleft(x, qweight[i], scales[i], 4, GROUP), rep)
-        got = tk.matmul_wleft(x, qweight[0], scales[0], 4, GROUP).float()
-        row["rel_err_wleft_vs_dense"] = float((got - expect).norm() / expect.norm())
-    if 1 < m <= 16:
-        alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP, **tk.FLAT_DOT_CONFIG), rep)
+    if 1 < m <= 16:  # the flat kernel, which 8-bit codes and fp32 activations take
+        alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP), rep)
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
 

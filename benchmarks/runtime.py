@@ -122,7 +122,11 @@ def main() -> None:
     paths.update(exports(source, args.scratch, args.device))
     setup["exports_s"] = round(time.perf_counter() - t0, 1)
     vocab = min(config["vocab_size"], 4096)  # ids the shipped tokenizer also has
-    rows = {name: decode_speed(p, args.device, args.prompt, args.new_tokens, vocab) for name, p in paths.items()}
+    print(f"setup: {setup}", flush=True)
+    rows = {}
+    for name, path in paths.items():
+        rows[name] = decode_speed(path, args.device, args.prompt, args.new_tokens, vocab)
+        print(f"{name}: {rows[name]}", flush=True)
     base = rows["bf16"]["decode_tokens_per_s"]
     for row in rows.values():
         row["vs_bf16"] = round(row["decode_tokens_per_s"] / base, 3)

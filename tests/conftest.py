@@ -65,12 +65,11 @@ def _fresh_seed() -> int:
 def rng_seed(request: pytest.FixtureRequest) -> int:
     """Seed of torch's global generator for this test (``torch.initial_seed()`` reads it back).
 
-    Kernel tests (``test_kernels_*``) draw fresh random inputs on every run and print the seed, which the
-    failure report shows with the captured output; the other tests use seed 0 (their expected values come
-    from trained or shipped files as well as from references).
+    Tests marked ``random_inputs`` (the kernel tests) draw fresh random inputs on every run and print the seed,
+    which the failure report shows with the captured output; the other tests use seed 0 (their expected values
+    come from trained or shipped files as well as from references).
     """
-    module = request.node.module.__name__.rsplit(".", 1)[-1] if request.node.module else ""
-    seed = _fresh_seed() if module.startswith("test_kernels_") else 0
+    seed = _fresh_seed() if request.node.get_closest_marker("random_inputs") else 0
     if seed:
         print(f"random inputs from seed {seed}; SALAQUANT_TEST_SEED={seed} replays them")
     torch.manual_seed(seed)
@@ -85,21 +84,20 @@ def tiny_ckpt_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a CUDA machine, each run takes one side of the kernel tests.
+    """Skip what the machine cannot run, by marker (registered in pyproject.toml).
 
-    Without ``TRITON_INTERPRET=1`` the kernel modules' CPU tests (Triton on CPU tensors, which only the
-    interpreter runs) are skipped and the GPU tests run; with it, the GPU tests (full SALA shapes, far too
-    slow interpreted) are skipped and the CPU tests run. Machines without CUDA always interpret.
+    ``gpu`` tests need CUDA and run without ``TRITON_INTERPRET=1`` (full SALA shapes, far too slow interpreted);
+    ``interpreter`` tests run Triton on CPU tensors, which only the interpreter does: on a CUDA machine they run
+    with ``TRITON_INTERPRET=1``, so each run there takes one side. Machines without CUDA always interpret.
     """
     del config
-    if not torch.cuda.is_available():
-        return
+    cuda = torch.cuda.is_available()
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
-        module = getattr(item, "module", None)
-        kernel_module = module is not None and module.__name__.rsplit(".", 1)[-1].startswith("test_kernels_")
-        gpu = "gpu" in item.name
-        if interpreting and gpu:
-            item.add_marker(pytest.mark.skip(reason="GPU test at full size: run it without TRITON_INTERPRET=1"))
-        elif kernel_module and not gpu and not interpreting:
+        if item.get_closest_marker("gpu") is not None:
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+            elif interpreting:
+                item.add_marker(pytest.mark.skip(reason="GPU test at full size: run it without TRITON_INTERPRET=1"))
+        if item.get_closest_marker("interpreter") is not None and cuda and not interpreting:
             item.add_marker(pytest.mark.skip(reason="Triton on CPU tensors: run it with TRITON_INTERPRET=1"))

@@ -104,7 +104,7 @@ def test_empty_pinned_cache_falls_back_to_the_private_call(monkeypatch: pytest.M
     assert hm.empty_pinned_cache() is False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_gpu_pinned_memory_returns_to_the_system_after_release(tiny_ckpt: Path, tmp_path: Path) -> None:
     """The engine's hidden states are pinned: after ``release()`` the process must not keep them resident."""
     ids = [torch.randint(0, 200, (1, 4096)) for _ in range(96)]

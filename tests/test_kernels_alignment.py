@@ -11,6 +11,8 @@ from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4
 from salaquant.kernels.host import pair_aligned
 from salaquant.kernels.w4a16 import w4a16_matmul_reference
 
+pytestmark = pytest.mark.random_inputs
+
 
 def _odd_view(m: int, k: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Activations ``[m, k]`` whose first element sits 2 bytes past a 4-byte boundary and whose rows are k + 1 apart."""
@@ -48,6 +50,7 @@ class _AlignmentSpy:
         return launch
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 3])
 def test_w4a16_launchers_align_the_activations(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
@@ -66,6 +69,7 @@ def test_w4a16_launchers_align_the_activations(monkeypatch: pytest.MonkeyPatch, 
     torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.interpreter
 def test_nvfp4_launchers_align_the_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     from salaquant.kernels.nvfp4 import nvfp4_matmul_reference
     from salaquant.kernels.nvfp4 import triton_kernels as nk
@@ -80,7 +84,8 @@ def test_nvfp4_launchers_align_the_activations(monkeypatch: pytest.MonkeyPatch) 
         if m == 1:
             y = nk.nvfp4_matmul_triton(x, q.weight, q.weight_scale, q.weight_scale_2)
         else:
-            y = nk.nvfp4_mma_rows(x, q.weight, q.weight_scale, q.weight_scale_2, split_k=1)
+            rows = nk.NVFP4Config("rows", block_n=128, split_k=1, num_warps=4, num_stages=1)
+            y = nk.nvfp4_matmul_triton(x, q.weight, q.weight_scale, q.weight_scale_2, config=rows)
         assert spy.launches == 1
         ref = nvfp4_matmul_reference(x.contiguous(), q.weight, q.weight_scale, q.weight_scale_2)
         torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-3)

@@ -3,26 +3,13 @@ whole solver on either backend."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from salaquant.kernels.gptq import best_scale, gptq_columns, gptq_columns_reference
 
 from salaquant.gptq.solver import GPTQConfig, gptq, mse_scales
+from salaquant.kernels.gptq import best_scale, gptq_columns, gptq_columns_reference
 
-CUDA = torch.cuda.is_available()
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-needs_triton = pytest.mark.skipif(
-    not (HAS_TRITON and (CUDA or os.environ.get("TRITON_INTERPRET") == "1")),
-    reason="needs triton on CUDA or TRITON_INTERPRET=1",
-)
-needs_cuda = pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs CUDA")
+pytestmark = pytest.mark.random_inputs
 
 
 def _hinv(c: int, g: torch.Generator, device: str = "cpu") -> torch.Tensor:
@@ -51,7 +38,7 @@ def _sweep(backend: str, w: torch.Tensor, scale: torch.Tensor, hinv: torch.Tenso
     return w1, codes, err
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     ("r", "c", "start", "stop", "per_column"),
     [(37, 40, 0, 40, False), (37, 40, 5, 29, False), (16, 128, 0, 128, True), (50, 24, 3, 24, True)],
@@ -69,7 +56,7 @@ def test_kernel_equals_reference(r: int, c: int, start: int, stop: int, per_colu
     assert int(codes[:, start:stop].min()) >= 0 and int(codes[:, start:stop].max()) <= 15
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_kernel_rounds_half_to_even() -> None:
     """Columns whose ratios to the scale sit exactly on .5 (and just below it) round as torch.round does."""
     c = 16
@@ -109,7 +96,7 @@ def test_reference_is_the_column_recursion() -> None:
 def test_bad_operands() -> None:
     w, scale, hinv = _operands(8, 16, False, seed=0)
     codes = torch.zeros(8, 16, dtype=torch.int32)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         gptq_columns(w, codes, w.clone(), scale, hinv, 0, 16, 8, 15, backend="cuda")
     with pytest.raises(ValueError, match="scale"):
         gptq_columns(w, codes, w.clone(), scale[:4], hinv, 0, 16, 8, 15)
@@ -125,7 +112,7 @@ def _hessian(n: int, seed: int, device: str = "cpu") -> torch.Tensor:
     return (x.T @ x).to(device)
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     ("group_size", "block_size", "act_order", "mse"),
     [
@@ -149,7 +136,7 @@ def test_solver_same_bits_on_both_backends(group_size: int, block_size: int, act
     assert a.loss == b.loss
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_gptq_kernel_matches_reference() -> None:
     """At a SALA shape on the GPU: the kernel and the PyTorch reference give the same codes and scales."""
     n, out = 2048, 1024
@@ -169,7 +156,7 @@ def _scale_errors(w: torch.Tensor, cands: torch.Tensor, idx: torch.Tensor) -> to
     return ((q - 8) * s - w.double()).pow(2).sum(1)
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("r", "n"), [(45, 128), (33, 40)])
 def test_scale_search_kernel_picks_the_reference_choice(r: int, n: int) -> None:
     g = torch.Generator().manual_seed(torch.initial_seed() + r)
@@ -203,7 +190,7 @@ def test_scale_search_prefers_the_larger_scale_on_ties() -> None:
     assert idx.tolist() == [0, 0]
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_mse_scales_on_both_backends() -> None:
     w = torch.randn(40, 128, generator=torch.Generator().manual_seed(torch.initial_seed() + 2)) * 0.05
     a = mse_scales(w, 4, backend="triton")
@@ -211,7 +198,7 @@ def test_mse_scales_on_both_backends() -> None:
     assert a.dtype == torch.float16 and (a == b).float().mean() >= 0.95
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_mse_solve_close_to_reference() -> None:
     """GPTQ with MSE scales at a SALA shape: the kernels' search agrees with the PyTorch one on nearly every
     (row, group), and the solution's loss is the same to 0.1%."""

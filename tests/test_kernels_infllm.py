@@ -1,4 +1,5 @@
-"""InfLLM-v2 Triton kernels against the PyTorch reference (interpreter on CPU, native on CUDA)."""
+"""InfLLM-v2 Triton kernels against the PyTorch reference (interpreter on CPU, native on CUDA), and the model's
+``infllm_v2_attention`` composing them."""
 
 import importlib
 import os
@@ -9,27 +10,40 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from salaquant.kernels import infllm
-from salaquant.kernels.infllm.select import interpolated_kth
 
+from salaquant.kernels.infllm.select import interpolated_kth
 from salaquant.model import sparse_attention as ref
-from salaquant.model.sparse_attention import SparseParams
+from salaquant.model.sparse_attention import SparseParams, drop_forced_blocks
+
+pytestmark = pytest.mark.random_inputs
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-needs_triton = pytest.mark.skipif(
-    not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"), reason="needs CUDA or TRITON_INTERPRET=1"
-)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 # K1 (8, 4), K2 (32, 16), 16-token blocks, 2 local blocks: 1 + 2 + 1 forced and 6 selected per row,
 # so rows past position 96 drop blocks.
 SMALL = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
 
 
-def _kernels(module: str = "triton_kernels"):
-    """A module of the Triton package (imported only where the kernels run)."""
-    return importlib.import_module(f"salaquant.kernels.infllm.{module}")
+def _kernels(module: str = ""):
+    """The Triton package, or one of its modules (imported only where the kernels run)."""
+    return importlib.import_module("salaquant.kernels.infllm" + (f".{module}" if module else ""))
+
+
+def _stage1(q, k1, k2, q_start: int, p: SparseParams, **kw) -> torch.Tensor:
+    return _kernels().stage1_scores(
+        q, k1, k2, q_start, p.kernel_size, p.kernel_stride, p.kernel_size2, p.kernel_stride2, **kw
+    )
+
+
+def _pool_select(scores, q_start: int, tk: int, p: SparseParams, **kw) -> torch.Tensor:
+    return _kernels().pool_select(
+        scores, q_start, tk, p.block_size, p.kernel_stride, p.init_blocks, p.local_blocks, p.total_topk, **kw
+    )
+
+
+def _stage2(q, k, v, idx, q_start: int, p: SparseParams, **kw) -> torch.Tensor:
+    return _kernels().block_sparse_attention(q, k, v, idx, q_start, p.block_size, **kw)
 
 
 def _qkv(b: int, tq: int, tk: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: str = DEV):
@@ -65,7 +79,7 @@ STAGE1_CASES = {
 }
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(STAGE1_CASES))
 def test_stage1_matches_reference(case: str) -> None:
     b, tq, tk, hkv, g, d, dtype, splits, block_n = STAGE1_CASES[case]
@@ -73,7 +87,7 @@ def test_stage1_matches_reference(case: str) -> None:
     k1, k2 = _compressed(k, SMALL)
     q_start = tk - tq
     out = torch.full((b, hkv, tq, k1.shape[1]), float("nan"), device=DEV)
-    got = _kernels().stage1_scores(q, k1, k2, q_start, SMALL, out=out, num_splits=splits, block_n=block_n)
+    got = _stage1(q, k1, k2, q_start, SMALL, out=out, num_splits=splits, block_n=block_n)
     expected = ref.stage1_scores(q, k1, k2, q_start, SMALL)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, expected, **SCORE_TOL)
@@ -83,14 +97,14 @@ def test_stage1_matches_reference(case: str) -> None:
         assert (expected > 0).any() and (tq == 1 or (expected == 0).any())  # visible and masked windows
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_stage1_merges_lse_parts_in_several_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode with 7 K2 splits of 16 windows and 2 partial LSEs per load: 4 rounds (the last one half padding)."""
     q, k, _ = _qkv(1, 1, 1600, 2, 4, 16, torch.float32)
     k1, k2 = _compressed(k, SMALL)
     assert -(-k2.shape[1] // 16) == 7
     monkeypatch.setattr(_kernels("stage1"), "LSE_PARTS_PER_LOAD", 2)
-    got = _kernels().stage1_scores(q, k1, k2, 1599, SMALL, num_splits=7, block_n=16)
+    got = _stage1(q, k1, k2, 1599, SMALL, num_splits=7, block_n=16)
     torch.testing.assert_close(got, ref.stage1_scores(q, k1, k2, 1599, SMALL), **SCORE_TOL)
 
 
@@ -107,7 +121,7 @@ STAGE2_CASES = {
 }
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(STAGE2_CASES))
 def test_stage2_matches_reference(case: str) -> None:
     b, tq, tk, hkv, g, d, dtype, splits, params, block_n = STAGE2_CASES[case]
@@ -118,13 +132,13 @@ def test_stage2_matches_reference(case: str) -> None:
     n_blocks = -(-tk // params.block_size)
     assert idx.shape[-1] == params.total_topk < n_blocks  # some visible blocks are dropped
     out = torch.full_like(q, float("nan"))
-    got = _kernels().block_sparse_attention(q, k, v, idx, q_start, params, out=out, num_splits=splits, block_n=block_n)
+    got = _stage2(q, k, v, idx, q_start, params, out=out, num_splits=splits, block_n=block_n)
     expected = ref.block_sparse_attention(q, k, v, idx, q_start, params)
     assert got.dtype == dtype and got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, expected, **_tol(dtype))
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 2])
 def test_stage2_arbitrary_indices(splits: int) -> None:
     """Unsorted indices with -1, future and out-of-range entries; a row with nothing left gives zeros."""
@@ -138,7 +152,7 @@ def test_stage2_arbitrary_indices(splits: int) -> None:
     idx[0, 1, 2] = -1
     idx = idx.to(DEV)
     out = torch.full_like(q, float("nan"))
-    got = _kernels().block_sparse_attention(q, k, v, idx, q_start, SMALL, out=out, num_splits=splits)
+    got = _stage2(q, k, v, idx, q_start, SMALL, out=out, num_splits=splits)
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, SMALL), **_tol(q.dtype))
     assert (got[0, 2, 2:4] == 0).all()
 
@@ -157,7 +171,7 @@ LOCAL_CASES = {
 }
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(LOCAL_CASES))
 def test_stage2_local_dense_matches_reference(case: str) -> None:
     """Forced blocks through the sliding-window kernel, the rest through the block kernel: the same attention."""
@@ -168,9 +182,9 @@ def test_stage2_local_dense_matches_reference(case: str) -> None:
     q_start = tk - tq
     idx = _select(ref.stage1_scores(q, k1, k2, q_start, params), q_start, tk, params).to(torch.int32)
     out = torch.full_like(q, float("nan"))
-    got = _kernels().block_sparse_attention(
-        q, k, v, idx, q_start, params, out=out, local_dense=True, local_block_m=block_m
-    )
+    rest = drop_forced_blocks(idx, q_start, params)
+    forced = (params.init_blocks, params.local_blocks)
+    got = _stage2(q, k, v, rest, q_start, params, out=out, forced=forced, local_block_m=block_m)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, params), **_tol(dtype))
 
@@ -179,21 +193,10 @@ def test_stage2_local_dense_refuses_splits() -> None:
     q, k, v = _qkv(1, 4, 64, 1, 2, 16, torch.float32)
     idx = torch.zeros(1, 1, 4, 2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="splits"):
-        _kernels().block_sparse_attention(q, k, v, idx, 60, SMALL, local_dense=True, num_splits=2)
+        _stage2(q, k, v, idx, 60, SMALL, forced=(1, 2), num_splits=2)
 
 
-def test_without_forced_keeps_the_rest() -> None:
-    """Hand-made rows: forced blocks (init 0, window qb-2..qb) leave, the others stay, longest row kept."""
-    idx = torch.tensor([[[[0, 3, 7, 8, 9], [0, 1, 2, 5, 9], [0, 6, 7, 8, 9]]]])
-    # SMALL: block 16, init 1, local 2; queries at 158, 159, 160 -> qb 9, 9, 10
-    got = _kernels("stage2")._without_forced(idx, 158, SMALL)
-    assert got.dtype == torch.int32 and got.shape == (1, 1, 3, 3)  # the longest row keeps 3
-    assert got[0, 0, 0].tolist() == [3, -1, -1]
-    assert got[0, 0, 1].tolist() == [5, 2, 1]
-    assert got[0, 0, 2].tolist() == [7, 6, -1]
-
-
-@needs_triton
+@pytest.mark.interpreter
 def test_stage2_merges_splits_in_several_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """One split per selected block, more splits than one merge load holds: the chunked merge matches."""
     params = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=24)
@@ -205,22 +208,21 @@ def test_stage2_merges_splits_in_several_loads(monkeypatch: pytest.MonkeyPatch) 
     assert idx.shape[-1] > 16  # > MERGE_SPLITS_PER_LOAD below
     monkeypatch.setattr(_kernels("stage2"), "MERGE_SPLITS_PER_LOAD", 16)
     out = torch.full_like(q, float("nan"))
-    got = _kernels().block_sparse_attention(q, k, v, idx, q_start, params, out=out, num_splits=idx.shape[-1])
+    got = _stage2(q, k, v, idx, q_start, params, out=out, num_splits=idx.shape[-1])
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, params), **_tol(q.dtype))
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("tq", "tk", "dtype"), [(32, 200, torch.float32), (1, 203, torch.float16)])
-@pytest.mark.parametrize("kernel_select", [None, True, False])
-def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel_select: bool | None) -> None:
+def test_pipeline_matches_reference(monkeypatch: pytest.MonkeyPatch, tq: int, tk: int, dtype: torch.dtype) -> None:
+    """The model's Triton path: selection 20 queries at a time, then stage 2 over all of them."""
+    monkeypatch.setattr(_kernels(), "SELECT_CHUNK", 20)
     b, hkv, g, d = (1, 2, 2, 16) if tq > 1 else (2, 2, 4, 16)
     q, k, v = _qkv(b, tq, tk, hkv, g, d, dtype)
     k1, k2 = _compressed(k, SMALL)
     q_start = tk - tq
-    got = infllm.infllm_v2_attention(
-        q, k, v, SMALL, k1=k1, k2=k2, backend="triton", select_chunk=20, kernel_select=kernel_select
-    )
-    scores = infllm.stage1_scores(q, k1, k2, q_start, SMALL, backend="triton")
+    got = ref.infllm_v2_attention(q, k, v, SMALL, k1=k1, k2=k2, backend="triton")
+    scores = _stage1(q, k1, k2, q_start, SMALL)
     idx = _select(scores, q_start, tk, SMALL)
     if not CUDA:  # exact fp32 dots: the same selection as the reference
         assert torch.equal(idx, _select(ref.stage1_scores(q, k1, k2, q_start, SMALL), q_start, tk, SMALL))
@@ -228,9 +230,11 @@ def test_pipeline_matches_reference(tq: int, tk: int, dtype: torch.dtype, kernel
     torch.testing.assert_close(got, ref.block_sparse_attention(q, k, v, idx, q_start, SMALL), **_tol(dtype))
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill long enough takes the sliding-window kernel by default, and ``local_dense=False`` does not."""
+    """A prefill of at least ``LOCAL_DENSE_MIN_QUERIES`` queries takes the sliding-window kernel, a shorter one
+    does not; both give the reference's attention over the kernels' selection."""
+    infllm = _kernels()
     tq = tk = infllm.LOCAL_DENSE_MIN_QUERIES + 40
     q, k, v = _qkv(1, tq, tk, 2, 2, 16, torch.float32)
     stage2 = _kernels("stage2")
@@ -242,18 +246,19 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
             return kernel[grid]
 
     monkeypatch.setattr(stage2, "_local_attention_kernel", Spy())
-    got = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton")
+    got = ref.infllm_v2_attention(q, k, v, SMALL, backend="triton")
     assert len(launches) == 1  # the sliding-window kernel ran
     k1, k2 = _compressed(k, SMALL)
-    idx = _select(infllm.stage1_scores(q, k1, k2, 0, SMALL, backend="triton"), 0, tk, SMALL)
+    idx = _select(_stage1(q, k1, k2, 0, SMALL), 0, tk, SMALL)
     expected = ref.block_sparse_attention(q, k, v, idx, 0, SMALL)
     torch.testing.assert_close(got, expected, **_tol(q.dtype))
-    gathered = infllm.infllm_v2_attention(q, k, v, SMALL, backend="triton", local_dense=False)
+    monkeypatch.setattr(infllm, "LOCAL_DENSE_MIN_QUERIES", tq + 1)
+    gathered = ref.infllm_v2_attention(q, k, v, SMALL, backend="triton")
     assert len(launches) == 1
     torch.testing.assert_close(gathered, expected, **_tol(q.dtype))
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     ("tq", "tk", "params"),
     [
@@ -269,10 +274,9 @@ def test_pipeline_local_dense_matches_reference(monkeypatch: pytest.MonkeyPatch)
         ),
     ],
 )
-@pytest.mark.parametrize("radix", [None, 0, 8], ids=["interpolate", "bits", "radix8"])
-def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, radix: int | None) -> None:
+def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams) -> None:
     """Pooling, forced blocks and top-k in one kernel against the reference, ties included (the reference breaks
-    them by lower block index), with the interpolation search, the bit search and the 8-bit radix select."""
+    them by lower block index)."""
     gen = torch.Generator().manual_seed(torch.initial_seed() + tq * 7919 + tk)
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.rand(2, 2, tq, n1, generator=gen)
@@ -282,16 +286,14 @@ def test_pool_select_matches_reference(tq: int, tk: int, params: SparseParams, r
     q_start = tk - tq
     want = _select(scores, q_start, tk, params)
     out = torch.full(want.shape, 12345, dtype=torch.int32, device=DEV)  # poisoned
-    got = _kernels().pool_select(scores, q_start, tk, params, out=out, radix=radix)
+    got = _pool_select(scores, q_start, tk, params, out=out)
     assert got is out
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
-@needs_triton
-@pytest.mark.parametrize(
-    ("seed", "radix"), [(0, None), (1, None), (2, None), (0, 0), (1, 0), (0, 8), (1, 8), (0, 4), (0, 11)]
-)
-def test_pool_select_signed_scores(seed: int, radix: int | None) -> None:
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pool_select_signed_scores(seed: int) -> None:
     """Scores of both signs and magnitudes far apart (the search runs over the whole int32 range of their
     images): the same blocks as the reference."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=6)
@@ -302,17 +304,11 @@ def test_pool_select_signed_scores(seed: int, radix: int | None) -> None:
     scores[..., ::7] = -3.0  # ties among negative scores
     scores = scores.to(DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params, radix=radix)
+    got = _pool_select(scores, tk - tq, tk, params)
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
-def test_pool_select_refuses_a_radix_it_cannot_run() -> None:
-    scores = torch.zeros(1, 1, 1, 16)
-    with pytest.raises(ValueError, match="radix must be"):
-        _kernels().pool_select(scores, 0, 64, SMALL, radix=17)
-
-
-@needs_triton
+@pytest.mark.interpreter
 def test_pool_select_long_row() -> None:
     """40,000 blocks in a row (a 65,536-wide program): the blocks are still the reference's."""
     tq, tk = 1, 40000 * SMALL.block_size
@@ -320,7 +316,7 @@ def test_pool_select_long_row() -> None:
     gen = torch.Generator().manual_seed(torch.initial_seed() + 17)
     scores = torch.rand(1, 1, tq, n1, generator=gen).to(DEV)
     want = _select(scores, tk - tq, tk, SMALL)
-    assert torch.equal(_kernels().pool_select(scores, tk - tq, tk, SMALL).long().cpu(), want.cpu())
+    assert torch.equal(_pool_select(scores, tk - tq, tk, SMALL).long().cpu(), want.cpu())
 
 
 @triton.jit
@@ -351,7 +347,7 @@ def _images(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
     raise ValueError(kind)
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["uniform", "extremes", "geometric", "ties"])
 @pytest.mark.parametrize(("n", "k", "n_forced"), [(2048, 96, 5), (300, 7, 0), (64, 64, 3), (257, 4, 9), (2, 1, 0)])
 def test_interpolated_kth_against_topk(kind: str, n: int, k: int, n_forced: int) -> None:
@@ -376,38 +372,40 @@ def test_interpolated_kth_against_topk(kind: str, n: int, k: int, n_forced: int)
         assert v == kth
 
 
-@pytest.mark.parametrize(("value", "radix"), [(0.0, None), (0.5, None), (0.0, 0), (0.5, 0), (0.5, 8)])
-def test_pool_select_all_scores_equal(value: float, radix: int | None) -> None:
+@pytest.mark.interpreter
+@pytest.mark.parametrize("value", [0.0, 0.5])
+def test_pool_select_all_scores_equal(value: float) -> None:
     """Every pooled score tied: the forced blocks, then the lowest blocks, as the reference orders them."""
     params = SparseParams(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=128, topk=4)
     tq, tk = 40, 2000
     n1 = ref.num_compressed(tk, params.kernel_size, params.kernel_stride)
     scores = torch.full((1, 2, tq, n1), value, device=DEV)
     want = _select(scores, tk - tq, tk, params)
-    got = _kernels().pool_select(scores, tk - tq, tk, params, radix=radix)
+    got = _pool_select(scores, tk - tq, tk, params)
     assert torch.equal(got.long().cpu(), want.cpu())
 
 
 def test_dispatch_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from salaquant.kernels import device
+
     q, k, v = _qkv(1, 5, 70, 1, 2, 8, torch.float32, device="cpu")
     expected = ref.infllm_v2_attention(q, k, v, SMALL)
-    for backend in ("reference", "auto"):  # auto runs the reference on CPU tensors
-        torch.testing.assert_close(infllm.infllm_v2_attention(q, k, v, SMALL, backend=backend), expected)
-    with pytest.raises(ValueError, match="backend"):
-        infllm.infllm_v2_attention(q, k, v, SMALL, backend="cuda")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # auto runs the reference on CPU tensors
+    assert torch.equal(ref.infllm_v2_attention(q, k, v, SMALL, backend="auto"), expected)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ref.infllm_v2_attention(q, k, v, SMALL, backend="cuda")
+    monkeypatch.setattr(device, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        infllm.block_sparse_attention(q, k, v, torch.zeros(1, 1, 5, 1, dtype=torch.int32), 65, SMALL, backend="triton")
+        ref.infllm_v2_attention(q, k, v, SMALL, backend="triton")
 
 
 def test_imports_without_triton() -> None:
     code = (
         "import sys, torch; sys.modules['triton'] = None\n"
-        "from salaquant.kernels import infllm\n"
-        "from salaquant.model.sparse_attention import SparseParams\n"
+        "from salaquant.model.sparse_attention import SparseParams, infllm_v2_attention\n"
         "q = torch.randn(1, 3, 2, 8); k = torch.randn(1, 40, 1, 8)\n"
         "p = SparseParams(kernel_size=8, kernel_stride=4, block_size=16, window_size=16, topk=2)\n"
-        "print(infllm.infllm_v2_attention(q, k, k, p).shape)\n"
+        "print(infllm_v2_attention(q, k, k, p, backend='auto').shape)\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -433,29 +431,30 @@ def sala_inputs() -> dict[str, torch.Tensor]:
     return {"q": q, "k": k, "v": v, "k1": k1, "k2": k2, "scores": scores, "idx": idx}
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_sala_stage1(sala_inputs: dict[str, torch.Tensor]) -> None:
     x = sala_inputs
-    got = infllm.stage1_scores(x["q"], x["k1"], x["k2"], 0, SALA, backend="triton")
+    got = _stage1(x["q"], x["k1"], x["k2"], 0, SALA)
     torch.testing.assert_close(got, x["scores"], rtol=1e-2, atol=1e-5)
     # decode row (split path) at the last position
-    got1 = infllm.stage1_scores(x["q"][:, -1:], x["k1"], x["k2"], x["q"].shape[1] - 1, SALA, backend="triton")
+    got1 = _stage1(x["q"][:, -1:], x["k1"], x["k2"], x["q"].shape[1] - 1, SALA)
     torch.testing.assert_close(got1, x["scores"][:, :, -1:], rtol=1e-2, atol=1e-5)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_sala_stage2(sala_inputs: dict[str, torch.Tensor]) -> None:
     x = sala_inputs
     q, k, v, idx = x["q"], x["k"], x["v"], x["idx"]
     assert idx.shape[-1] == 96 and (idx[:, :, -1] >= 0).all()
-    got = infllm.block_sparse_attention(q, k, v, idx, 0, SALA, backend="triton")
+    got = _stage2(q, k, v, idx, 0, SALA)
     expected = ref.block_sparse_attention(q, k, v, idx, 0, SALA, query_chunk=128)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
     # forced blocks through the sliding-window kernel
-    got_local = infllm.block_sparse_attention(q, k, v, idx, 0, SALA, backend="triton", local_dense=True)
+    rest = drop_forced_blocks(idx, 0, SALA)
+    got_local = _stage2(q, k, v, rest, 0, SALA, forced=(SALA.init_blocks, SALA.local_blocks))
     torch.testing.assert_close(got_local.float(), expected.float(), rtol=2e-2, atol=2e-2)
     # decode (split path) for the last token against the same keys
-    got1 = infllm.block_sparse_attention(q[:, -1:], k, v, idx[:, :, -1:], q.shape[1] - 1, SALA, backend="triton")
+    got1 = _stage2(q[:, -1:], k, v, idx[:, :, -1:], q.shape[1] - 1, SALA)
     torch.testing.assert_close(got1.float(), expected[:, -1:].float(), rtol=2e-2, atol=2e-2)
 
 
@@ -471,31 +470,32 @@ def _overlap(a: torch.Tensor, b: torch.Tensor, n_blocks: int) -> float:
     return float(((ma & mb).sum(-1) / mb.sum(-1).clamp(min=1)).mean())
 
 
-@needs_cuda
-def test_gpu_sala_pipeline(sala_inputs: dict[str, torch.Tensor]) -> None:
+@pytest.mark.gpu
+def test_gpu_sala_pipeline(monkeypatch: pytest.MonkeyPatch, sala_inputs: dict[str, torch.Tensor]) -> None:
     """The composed pipeline equals stage 2 on its own selection; that selection matches the reference's
     up to near-ties flipped by TF32 scoring."""
+    monkeypatch.setattr(_kernels(), "SELECT_CHUNK", 4096)
     x = sala_inputs
     q, k, v = x["q"], x["k"], x["v"]
     t = q.shape[1]
-    got = infllm.infllm_v2_attention(q, k, v, SALA, k1=x["k1"], k2=x["k2"], backend="triton", select_chunk=4096)
-    idx = _select(infllm.stage1_scores(q, x["k1"], x["k2"], 0, SALA, backend="triton"), 0, t, SALA)
+    got = ref.infllm_v2_attention(q, k, v, SALA, k1=x["k1"], k2=x["k2"], backend="triton")
+    idx = _select(_stage1(q, x["k1"], x["k2"], 0, SALA), 0, t, SALA)
     assert _overlap(idx, x["idx"], t // SALA.block_size) > 0.99
     expected = ref.block_sparse_attention(q, k, v, idx, 0, SALA, query_chunk=128)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
     # decode at 16K + 37 keys with a batch of 2
     tk = 16384 + 37
     q2, k2_, v2 = _qkv(2, 1, tk, 2, 16, 128, torch.bfloat16)
-    got2 = infllm.infllm_v2_attention(q2, k2_, v2, SALA, backend="triton")
+    got2 = ref.infllm_v2_attention(q2, k2_, v2, SALA, backend="triton")
     c1, c2 = _compressed(k2_, SALA)
-    idx2 = _select(infllm.stage1_scores(q2, c1, c2, tk - 1, SALA, backend="triton"), tk - 1, tk, SALA)
+    idx2 = _select(_stage1(q2, c1, c2, tk - 1, SALA), tk - 1, tk, SALA)
     idx2_ref = _select(ref.stage1_scores(q2, c1, c2, tk - 1, SALA), tk - 1, tk, SALA)
     assert _overlap(idx2, idx2_ref, -(-tk // SALA.block_size)) > 0.97
     expected2 = ref.block_sparse_attention(q2, k2_, v2, idx2, tk - 1, SALA)
     torch.testing.assert_close(got2.float(), expected2.float(), rtol=2e-2, atol=2e-2)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_sala_pool_select_at_128k() -> None:
     """Decode-sized pooling + top-k over the 2,048 blocks of a 131,072-token context, exact against the reference."""
     t, tq = 131072, 4
@@ -505,4 +505,4 @@ def test_gpu_sala_pool_select_at_128k() -> None:
     scores[..., ::5] = (scores[..., ::5] * 8).round() / 8
     scores = scores.cuda()
     want = _select(scores, t - tq, t, SALA)
-    assert torch.equal(_kernels().pool_select(scores, t - tq, t, SALA).long(), want)
+    assert torch.equal(_pool_select(scores, t - tq, t, SALA).long(), want)

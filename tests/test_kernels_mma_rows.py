@@ -1,7 +1,7 @@
-"""The 4-bit kernel for 1-16 rows on ``mma.sync`` (``salaquant/kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
-``nvfp4_mma_rows`` for NVFP4): its MMA emulation against the fragment layout of the PTX ISA, the kernel against the
-PyTorch references under the Triton interpreter, and on a GPU the PTX against the emulation and the references at
-SALA shapes (CUDA only)."""
+"""The 4-bit kernel for few rows on ``mma.sync`` (``salaquant/kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
+1-16 rows, ``NVFP4Config("rows")`` for NVFP4, 1-8 rows): its MMA emulation against the fragment layout of the PTX ISA,
+the kernel against the PyTorch references under the Triton interpreter, and on a GPU the PTX against the emulation
+and the references at SALA shapes (CUDA only)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from salaquant.kernels import mma_rows
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.nvfp4 import dequantize as nvfp4_dequantize
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
+
+pytestmark = pytest.mark.random_inputs
 
 # Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;
 # what remains is the output's rounding to nearest (2**-11 fp16, 2**-9 bf16), with room for the fp32 sums.
@@ -72,6 +74,7 @@ def _mma_probe(a_ptr, b_ptr, c_ptr, d_ptr, WARPS: tl.constexpr, BF16: tl.constex
         tl.store(d_ptr + 4 * i + j, d[j])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_emulated_mma_follows_the_ptx_fragments(dtype: torch.dtype) -> None:
     """``emulated_mma`` computes D = A B + C for 16x16 A, 16x8 B and 16x8 C scattered over a warp's registers as the
@@ -124,6 +127,7 @@ CASES = [
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", CASES, ids=[f"m{c[0]}-gs{c[3]}" for c in CASES])
 def test_mma_rows_matches_reference(case: tuple) -> None:
     """The kernel within the bound of the fp32 product; the output buffer is poisoned first."""
@@ -140,6 +144,7 @@ def test_mma_rows_matches_reference(case: tuple) -> None:
     assert not bool(arrival_counters(torch.device("cpu"), 1).any()), "a split left its arrival counter set"
 
 
+@pytest.mark.interpreter
 def test_mma_rows_takes_bf16_activations_past_fp16_range() -> None:
     """bf16 activations go to the tensor cores as bf16 (codes as ``c - 8``), so values beyond fp16's 65504 (and
     below its normal range) keep their precision; a conversion to fp16 would turn them into infinities."""
@@ -170,7 +175,7 @@ def test_mma_rows_refuses_what_it_cannot_run() -> None:
         tk.matmul_mma_rows(x, qweight, scales, tiles=3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
 def test_gpu_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> None:
@@ -196,6 +201,14 @@ def _nvfp4_operands(seed: int, m: int, k: int, n: int, dtype: torch.dtype, devic
     return x.to(device), q.weight.to(device), q.weight_scale.to(device), q.weight_scale_2.to(device)
 
 
+def _rows(n: int, k: int, split: int | None = None, tiles: int = 2, warps: int = 4, device: str = "cpu"):
+    """The NVFP4 row kernel's launch configuration (``split`` None: its default split)."""
+    from salaquant.kernels.nvfp4 import triton_kernels as nk
+
+    split = nk._rows_split(n, k, 16 * tiles * warps, torch.device(device)) if split is None else split
+    return nk.NVFP4Config("rows", block_n=16 * tiles * warps, split_k=split, num_warps=warps, num_stages=1)
+
+
 def _nvfp4_bound_check(y: torch.Tensor, x: torch.Tensor, weight, scale, s2, what: str) -> None:
     """``|y - x W^T| <= TOL * (|x| @ |W|^T)`` elementwise against the float64 product of the dequantized weight."""
     w = nvfp4_dequantize(weight.cpu(), scale.cpu(), s2.cpu()).double()
@@ -208,10 +221,11 @@ def _nvfp4_bound_check(y: torch.Tensor, x: torch.Tensor, weight, scale, s2, what
 NVFP4_CASES = [
     (1, 256, 48, torch.bfloat16, 1, 1, 2),
     (7, 384, 80, torch.float16, 2, 2, 3),
-    (12, 256, 64, torch.bfloat16, 2, 2, 1),
+    (8, 256, 64, torch.bfloat16, 2, 2, 1),
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", NVFP4_CASES, ids=[f"m{c[0]}-k{c[1]}" for c in NVFP4_CASES])
 def test_nvfp4_mma_rows_matches_reference(case: tuple) -> None:
     """NVFP4 words ``[N, K/8]``, each pair scaled by its block's FP8 scale before the MMA and the global scale at the
@@ -222,25 +236,30 @@ def test_nvfp4_mma_rows_matches_reference(case: tuple) -> None:
     seed = _seed()
     x, weight, scale, s2 = _nvfp4_operands(seed, m, k, n, dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    y = nk.nvfp4_mma_rows(x, weight, scale, s2, out=out, split_k=split, tiles=tiles, num_warps=warps)
+    y = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=_rows(n, k, split, tiles, warps), out=out)
     assert y is out
     _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} M={m} K={k} N={n} {dtype} split={split}")
     assert not bool(arrival_counters(torch.device("cpu"), 1).any()), "a split left its arrival counter set"
 
 
+@pytest.mark.interpreter  # CPU operands
 def test_nvfp4_mma_rows_refuses_what_it_cannot_run() -> None:
     from salaquant.kernels.nvfp4 import triton_kernels as nk
 
     x, weight, scale, s2 = _nvfp4_operands(0, 2, 256, 32, torch.float16)
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
-        nk.nvfp4_mma_rows(x.float(), weight, scale, s2)
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
-        nk.nvfp4_mma_rows(torch.zeros(17, 256, dtype=torch.float16), weight, scale, s2)
+    cfg = _rows(32, 256)
+    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
+        nk.nvfp4_matmul_triton(x.float(), weight, scale, s2, config=cfg)
+    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
+        nk.nvfp4_matmul_triton(torch.zeros(9, 256, dtype=torch.float16), weight, scale, s2, config=cfg)
     x96, weight96, scale96, s296 = _nvfp4_operands(0, 2, 96, 32, torch.float16)
     with pytest.raises(ValueError, match="multiple of 128"):
-        nk.nvfp4_mma_rows(x96, weight96, scale96, s296)
+        nk.nvfp4_matmul_triton(x96, weight96, scale96, s296, config=cfg)
+    with pytest.raises(ValueError, match="tiles must be a power of two"):  # 64 columns cannot hold 8 warps
+        nk.nvfp4_matmul_triton(x, weight, scale, s2, config=nk.NVFP4Config("rows", block_n=64, num_warps=8))
 
 
+@pytest.mark.interpreter
 def test_nvfp4_mma_rows_scales_bf16_activations_past_fp16_range() -> None:
     """NVFP4 rounds bf16 activations to fp16 for the MMA: a split whose activations (any row) reach 32768 converts
     them times a power of two and scales its sums back, so values of 3e5 next to 1e-6 in some rows give finite
@@ -252,11 +271,12 @@ def test_nvfp4_mma_rows_scales_bf16_activations_past_fp16_range() -> None:
     x = x.float()
     x[1:3, :128] *= torch.tensor([3e5, 1e-6]).repeat(64)  # alternately huge and tiny, rows 1-2, first split only
     x = x.to(torch.bfloat16)
-    y = nk.nvfp4_mma_rows(x, weight, scale, s2, split_k=2, tiles=1, num_warps=2)
+    y = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=_rows(48, 256, split=2, tiles=1, warps=2))
     assert bool(torch.isfinite(y).all()), f"seed={seed}: non-finite outputs"
     _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} huge bf16 activations")
 
 
+@pytest.mark.interpreter
 def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
     """``NVFP4Config("rows")`` runs the row kernel through ``nvfp4_matmul_triton`` (within the bound, the split-K
     workspace poisoned); ``default_config`` picks it for 2 to ``ROWS_MAX_M`` fp16/bf16 rows of weights with at
@@ -270,7 +290,7 @@ def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
     y = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg, out=out)
     assert y is out
     _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} rows config")
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
         nk.nvfp4_matmul_triton(x.float(), weight, scale, s2, config=cfg)
     for m, n, k, dtype, kernel in (
         (2, 32768, 4096, torch.bfloat16, "rows"),  # gate_up
@@ -283,18 +303,21 @@ def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
         assert nk.default_config(m, n, k, "cpu", dtype).kernel == kernel, (m, n, k, dtype)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8])
 @pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
-def test_gpu_nvfp4_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> None:
-    """NVFP4: the PTX against its emulation on the same GPU and both within the bound of the reference."""
+def test_gpu_nvfp4_mma_rows_ptx_matches_emulation(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], m: int):
+    """NVFP4: the PTX against its emulation on the same GPU and both within the bound of the reference, at the
+    default launch and split."""
     from salaquant.kernels.nvfp4 import triton_kernels as nk
 
     k, n = shape
     seed = _seed()
     x, weight, scale, s2 = _nvfp4_operands(seed, m, k, n, torch.bfloat16, "cuda")
-    got = nk.nvfp4_mma_rows(x, weight, scale, s2)
-    emulated = nk.nvfp4_mma_rows(x, weight, scale, s2, emulate=True)
+    cfg = _rows(n, k, device="cuda")
+    got = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
+    monkeypatch.setattr(nk, "_EMULATE_PAIRED", True)
+    emulated = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
     what = f"seed={seed} M={m} K={k} N={n}"
     _nvfp4_bound_check(got, x, weight, scale, s2, what + " PTX")
     _nvfp4_bound_check(emulated, x, weight, scale, s2, what + " emulation")

@@ -1,4 +1,5 @@
-"""NVFP4 weight-only GEMM kernels: reference vs salaquant.nvfp4, Triton (interpreter on CPU) vs reference, dispatch."""
+"""NVFP4 weight-only GEMM kernels: the reference against an independent formulation, Triton (interpreter on CPU) against
+the reference, the dispatch, and the GPU paths at SALA shapes (CUDA only)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,10 @@ import torch
 from salaquant.formats.modelopt_nvfp4.numerics import E2M1_GRID, quantize_nvfp4
 from salaquant.kernels.nvfp4 import E2M1_TABLE, dequantize, nvfp4_matmul, nvfp4_matmul_reference
 
+pytestmark = pytest.mark.random_inputs
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-HAS_TRITON = True
-try:
-    import triton  # noqa: F401
-except ImportError:
-    HAS_TRITON = False
-CAN_RUN_TRITON = HAS_TRITON and (CUDA or os.environ.get("TRITON_INTERPRET") == "1")
-needs_triton = pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs triton on CUDA or TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not (CUDA and HAS_TRITON), reason="needs CUDA")
 # The interpreter mis-handles bf16 operands, so CPU runs use fp16 / fp32 activations.
 HALF = torch.bfloat16 if CUDA else torch.float16
 RTOL = 1e-2 if CUDA else 2e-3
@@ -115,18 +110,16 @@ def tk(monkeypatch: pytest.MonkeyPatch):
 
 def _configs(tk, m: int) -> list:
     """Default config plus explicit ones that exercise split-K (with an empty split when K is short), partial
-    tiles in M and N, weight-tile grouping and, for small M, the GEMV kernel."""
-    cfgs = [
+    tiles in M and N and weight-tile grouping."""
+    del m
+    return [
         None,
         tk.NVFP4Config("dot", block_m=16, block_n=32, block_k=32, split_k=3),
         tk.NVFP4Config("dot", block_m=32, block_n=64, block_k=64, split_k=1, group_n=2),
     ]
-    if m <= 5:
-        cfgs.append(tk.NVFP4Config("gemv", block_n=16, block_k=32, split_k=2))
-    return cfgs
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n", [32, 96])
 @pytest.mark.parametrize("k", [64, 160])
 @pytest.mark.parametrize("m", [1, 5, 16, 33])
@@ -141,19 +134,19 @@ def test_triton_matches_reference(tk, m: int, k: int, n: int) -> None:
         _assert_matches(y, ref32, rtol=RTOL)
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_triton_all_codes_and_scales_fp32(tk) -> None:
     """Uniformly random bytes (every code, subnormal and negative scales) with fp32 activations: only the fp32
     summation order differs from the reference."""
     weight, scale, s2 = _random_bytes(48, 96)
     x = torch.randn(3, 96, device=DEV)
     ref32 = nvfp4_matmul_reference(x, weight, scale, s2)
-    for cfg in (tk.NVFP4Config("dot", block_n=16, block_k=32, split_k=2), tk.NVFP4Config("gemv", block_k=64)):
+    for cfg in (tk.NVFP4Config("dot", block_n=16, block_k=32, split_k=2), tk.NVFP4Config("dot", block_k=64)):
         out = torch.full((3, 48), float("nan"), device=DEV)
         _assert_matches(tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg, out=out), ref32, rtol=1e-5)
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_triton_fp8_decode_every_byte(tk) -> None:
     """Row r of the weight is code 1.0 everywhere under scale byte r: the kernel's FP8 decode of all 256 bytes
     against torch's float8_e4m3fn (0x7F / 0xFF are NaN)."""
@@ -168,7 +161,7 @@ def test_triton_fp8_decode_every_byte(tk) -> None:
         assert torch.isnan(got[0x7F]).all() and torch.isnan(got[0xFF]).all()
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_triton_e2m1_decode_every_byte(tk) -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 256).to(DEV)
     one = torch.full((1, 32), 0x38, dtype=torch.uint8, device=DEV)  # E4M3 1.0
@@ -179,7 +172,7 @@ def test_triton_e2m1_decode_every_byte(tk) -> None:
         assert torch.equal(got.float(), expect)
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_triton_weight_at_odd_storage_offset(tk) -> None:
     """A packed weight whose storage offset is not a multiple of 4 bytes (it is read as int32 words)."""
     weight, scale, s2 = _quantized(32, 64)
@@ -191,7 +184,7 @@ def test_triton_weight_at_odd_storage_offset(tk) -> None:
     _assert_matches(tk.nvfp4_matmul_triton(x, shifted, scale, s2), ref32, rtol=RTOL)
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("n", "k"), [(96, 160), (40, 64)])
 def test_triton_dequantize_matches_reference(tk, n: int, k: int) -> None:
     weight, scale, s2 = _random_bytes(n, k)
@@ -217,25 +210,38 @@ def test_auto_on_cpu_is_reference() -> None:
 
 
 def test_dispatch_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from salaquant.kernels import device
+
     weight, scale, s2 = _quantized(32, 64, "cpu")
     x = torch.randn(3, 64)
-    with pytest.raises(ValueError, match="backend"):
-        nvfp4_matmul(x, weight, scale, s2, backend="cublas")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        nvfp4_matmul(x, weight, scale, s2, backend="dequant")
+    monkeypatch.setattr(device, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="CUDA"):
         nvfp4_matmul(x, weight, scale, s2, backend="triton")
 
 
-@needs_triton
-@pytest.mark.parametrize("backend", ["triton", "dequant"])
-def test_dispatch_triton_backends(backend: str) -> None:
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("dequant_min_m", "kernel"), [(1024, "fused"), (6, "dequantize")])
+def test_dispatch_triton_paths(monkeypatch: pytest.MonkeyPatch, dequant_min_m: int, kernel: str) -> None:
+    """The Triton path runs the fused kernels below ``DEQUANT_MIN_M`` rows and dequantize + ``F.linear`` from there."""
+    from salaquant.kernels.nvfp4 import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "DEQUANT_MIN_M", dequant_min_m)
+    calls: list[str] = []
+    for name in ("nvfp4_matmul_triton", "nvfp4_dequantize_triton"):
+        fn = getattr(triton_kernels, name)
+        monkeypatch.setattr(
+            triton_kernels, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k)
+        )
     weight, scale, s2 = _quantized(32, 64)
     x = torch.randn(2, 3, 64, device=DEV).to(HALF)
-    y = nvfp4_matmul(x, weight, scale, s2, backend=backend)
+    y = nvfp4_matmul(x, weight, scale, s2, backend="triton")
+    assert calls == ["nvfp4_matmul_triton" if kernel == "fused" else "nvfp4_dequantize_triton"]
     assert y.shape == (2, 3, 32) and y.dtype == HALF
     ref32 = nvfp4_matmul_reference(x.float(), weight, scale, s2)
     _assert_matches(y, ref32, rtol=RTOL)
-    assert nvfp4_matmul(x[:, :0], weight, scale, s2, backend=backend).shape == (2, 0, 32)
+    assert nvfp4_matmul(x[:, :0], weight, scale, s2, backend="triton").shape == (2, 0, 32)
 
 
 def test_package_imports_without_triton() -> None:
@@ -258,7 +264,7 @@ def test_package_imports_without_triton() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(("k", "n"), [(4096, 4096), (16384, 4096), (4096, 12288)])
 @pytest.mark.parametrize("m", [1, 4, 16, 128, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -268,14 +274,19 @@ def test_gpu_real_shapes(m: int, k: int, n: int, dtype: torch.dtype) -> None:
     weight, scale, s2 = _quantized(n, k, "cuda")
     x = torch.randn(m, k, device="cuda").to(dtype)
     ref32 = nvfp4_matmul_reference(x.float(), weight, scale, s2)
-    for backend in ("auto", "triton", "dequant"):
+    for backend in ("auto", "triton"):
         _assert_matches(nvfp4_matmul(x, weight, scale, s2, backend=backend), ref32, rtol=1e-2)
+    # the fused kernels at every M, and the dequantized weight with F.linear
+    _assert_matches(tk.nvfp4_matmul_triton(x, weight, scale, s2), ref32, rtol=1e-2)
+    w = tk.nvfp4_dequantize_triton(weight, scale, s2, dtype=dtype)
+    _assert_matches(torch.nn.functional.linear(x, w), ref32, rtol=1e-2)
     if m <= 16:
-        for cfg in (tk.NVFP4Config("gemv", block_n=32, block_k=256, split_k=4), tk.NVFP4Config("dot", split_k=8)):
-            _assert_matches(tk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg), ref32, rtol=1e-2)
+        _assert_matches(
+            tk.nvfp4_matmul_triton(x, weight, scale, s2, config=tk.NVFP4Config("dot", split_k=8)), ref32, rtol=1e-2
+        )
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_gpu_split_k_is_deterministic_and_graph_safe() -> None:
     from salaquant.kernels.nvfp4 import triton_kernels as tk
 

@@ -4,7 +4,6 @@ choice of kernel, and on a GPU its PTX against that emulation at SALA shapes (CU
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -14,10 +13,8 @@ from error_bounds import assert_within
 from salaquant.formats.modelopt_nvfp4.numerics import quantize_nvfp4
 from salaquant.kernels.nvfp4 import dequantize, nvfp4_matmul_reference
 
-CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(
-    not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"), reason="needs CUDA or TRITON_INTERPRET=1"
-)
+pytestmark = pytest.mark.random_inputs
+
 # Each block's two 8-term sums take eight fp16 roundings of at most 2**-11 of the running absolute sum (2**-8 in
 # all), plus the output's rounding to nearest (2**-11 fp16, 2**-9 bf16): bounds relative to |x| @ |W|^T.
 TOL = {torch.float16: 2**-8 + 2**-11, torch.bfloat16: 2**-8 + 2**-9}
@@ -49,7 +46,7 @@ def tk(monkeypatch: pytest.MonkeyPatch):
     return triton_kernels
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_paired_matches_reference(tk, dtype: torch.dtype, prefetch: bool) -> None:
@@ -70,7 +67,7 @@ def test_paired_matches_reference(tk, dtype: torch.dtype, prefetch: bool) -> Non
         _bound_check(y, x, weight, scale, s2, 0.0, f"seed={seed} N={n} K={k} {cfg}")
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_paired_scales_bf16_activations_past_fp16_range(tk) -> None:
     """Each program scales its activations by the power of two that brings its slice's largest into [2**14, 2**15)
     before the fp16 conversion, and its sum back: bf16 activations past fp16's 65504 (one split holding 3e5 next
@@ -88,7 +85,7 @@ def test_paired_scales_bf16_activations_past_fp16_range(tk) -> None:
     _bound_check(y, x, weight, scale, s2, 0.0, f"seed={seed} huge bf16 activations")
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 def test_paired_scales_small_activations_up(tk, prefetch: bool) -> None:
     """Activations of order 2**-40 (bf16): unscaled, every fp16 product of a code ``e2m1 * 2**-14`` with them would
@@ -106,7 +103,7 @@ def test_paired_scales_small_activations_up(tk, prefetch: bool) -> None:
         _bound_check(y, x, weight, scale, s2, 0.0, f"seed={seed} {dtype} activations of {size}")
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_paired_every_code_and_scale(tk) -> None:
     """Uniformly random bytes: every code, subnormal and negative scales. Products below fp16's normal range
     keep an absolute error of at most 2**-25 per operation in units of the scaled activations times ``2**-14``,
@@ -126,7 +123,7 @@ def test_paired_every_code_and_scale(tk) -> None:
     _bound_check(y, x, weight, scale, s2, slack, f"seed={seed}")
 
 
-@needs_triton
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_paired_exact_where_fp16_is_exact(tk, dtype: torch.dtype) -> None:
     """8 activations of +-1 (the rest 0), scales 1 or 2, global scale 1: every fp16 product (a multiple of 2**-15)
@@ -148,7 +145,7 @@ def test_paired_exact_where_fp16_is_exact(tk, dtype: torch.dtype) -> None:
         assert torch.equal(y.float(), ref), f"seed={seed} {cfg}: {int((y.float() != ref).sum())} outputs differ"
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_paired_nan_scale_gives_nan(tk) -> None:
     gen = torch.Generator().manual_seed(0)
     weight, scale, s2 = _quantized(gen, 32, 64)
@@ -200,7 +197,7 @@ def test_paired_splits_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None
         assert ((cfg.block_n, cfg.block_k), cfg.split_k) == (tk.PAIRED_TILE, 2), (n, k)
 
 
-@needs_triton
+@pytest.mark.interpreter
 def test_paired_refuses_what_it_cannot_run(tk) -> None:
     gen = torch.Generator().manual_seed(0)
     weight, scale, s2 = _quantized(gen, 32, 64)
@@ -211,7 +208,7 @@ def test_paired_refuses_what_it_cannot_run(tk) -> None:
         tk.nvfp4_matmul_triton(torch.zeros(1, 64), weight, scale, s2, config=cfg)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["bf16", "huge_bf16", "fp16"])
 @pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
 def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int, n: int, case: str) -> None:

@@ -8,8 +8,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+
 from salaquant.kernels.device import programs_per_sm, resident_programs
 from salaquant.kernels.host import wave_split
+
+pytestmark = pytest.mark.random_inputs
 
 H100 = (132, 65536, 2048, 233472)  # SMs, registers, threads and shared bytes per SM (sm_90)
 
@@ -66,7 +69,7 @@ def _rendezvous_kernel(cnt_ptr, seen_ptr, data_ptr, out_ptr, limit, WIDTH: tl.co
     tl.store(out_ptr + pid * WIDTH + offs, held * 2.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("width", [128, 128 * 64])
 def test_gpu_resident_programs_all_run_at_once(width: int) -> None:
     """With ``resident_programs`` programs every one sees all arrive; with one more, some give up waiting (the last

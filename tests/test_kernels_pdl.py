@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from salaquant.kernels import device as dev
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+pytestmark = pytest.mark.random_inputs
 
 
 @pytest.mark.parametrize(("pdl", "capable", "on"), [(True, True, True), (False, True, False), (True, False, False)])
@@ -36,7 +36,7 @@ def _nvfp4(gen: torch.Generator, k: int, n: int) -> tuple[torch.Tensor, torch.Te
     return weight.cuda(), scale.view(torch.float8_e4m3fn).cuda(), torch.tensor(0.01, device="cuda")
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(("fmt", "m"), [("gptq", 1), ("gptq", 4), ("gptq", 12), ("nvfp4", 1), ("nvfp4", 2)])
 def test_gpu_pdl_chain(fmt: str, m: int) -> None:
     """Three square layers, each fed the previous output: with PDL, eagerly and replayed from a CUDA graph, the
@@ -59,7 +59,8 @@ def test_gpu_pdl_chain(fmt: str, m: int) -> None:
         layers = [_nvfp4(gen, k, k) for _ in range(3)]
 
         def layer(x: torch.Tensor, w: tuple, pdl: bool) -> torch.Tensor:
-            return nk.nvfp4_mma_rows(x, *w, pdl=pdl) if m > 1 else nk.nvfp4_matmul_triton(x, *w, pdl=pdl)
+            rows = nk.NVFP4Config("rows", block_n=128, split_k=nk._rows_split(k, k, 128, x.device), num_stages=1)
+            return nk.nvfp4_matmul_triton(x, *w, pdl=pdl, config=rows if m > 1 else None)
 
     def chain(x: torch.Tensor, pdl: bool) -> torch.Tensor:
         for w in layers:

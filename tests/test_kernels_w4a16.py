@@ -14,6 +14,8 @@ from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1, pack_gptq_v1
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul, w4a16_matmul_reference
 
+pytestmark = pytest.mark.random_inputs
+
 GROUP_SIZES = (-1, 32, 64, 128)
 
 
@@ -45,6 +47,7 @@ def _poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((m, n), float("nan"), dtype=dtype)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
@@ -63,6 +66,7 @@ def test_triton_matches_reference(m: int, group_size: int, dtype: torch.dtype) -
             _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiled")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_triton_8bit(m: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
@@ -107,7 +111,7 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
         return called
 
     monkeypatch.setattr(tk, "_sm_count", lambda device: sms)
-    paths = ("paired", "gemv", "mma_rows", "wleft", "flat", "tiled")
+    paths = ("paired", "gemv", "mma_rows", "flat", "tiled")
     for name in (*(f"matmul_{p}" for p in paths), "dequantize"):
         monkeypatch.setattr(tk, name, spy(name))
     x = torch.zeros(m, 128, dtype=torch.float16)
@@ -126,28 +130,16 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
             with pytest.raises(Taken) as taken:
                 tk.matmul(x, qweight, scales.expand(128 // group, n), 4, group)
             assert str(taken.value) == "matmul_mma_rows"
-        # one group of K = 64 goes to the weights-left kernel; fp32 rows, groups of 16 and 48 to the flat one
-        cases = [(x[:, :64], qweight[:8], -1, "wleft"), (x.float(), qweight, -1, "flat")]
+        # one group of K = 64, fp32 rows, groups of 16 and 48, 8-bit codes: the flat kernel
+        cases = [(x[:, :64], qweight[:8], -1, "flat"), (x.float(), qweight, -1, "flat")]
         cases += [(x, qweight, 16, "flat"), (x[:, :96], qweight[:12], 48, "flat")]
         for xx, qw, group, want in cases:
             with pytest.raises(Taken) as taken:
                 tk.matmul(xx, qw, scales.expand(1 if group < 0 else xx.shape[1] // group, n), 4, group)
             assert str(taken.value) == f"matmul_{want}"
-
-
-def test_weights_left_settings_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tuned settings apply to a Hopper GPU at SALA's gate_up (K 4096 -> N 32768) only: not on another
-    compute capability, not on the transposed shape, never off the GPU."""
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(tk, "_INTERPRET", False)
-    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (132, 9))
-    assert tk._wleft_tuned(gpu, 4096, 32768) == {"split_k": 1, "ahead": 2}
-    assert tk._wleft_tuned(gpu, 32768, 4096) == {}
-    assert tk._wleft_tuned(torch.device("cpu"), 4096, 32768) == {}
-    monkeypatch.setattr(tk, "_cuda_facts", lambda device: (108, 8))
-    assert tk._wleft_tuned(gpu, 4096, 32768) == {}
+        with pytest.raises(Taken) as taken:
+            tk.matmul(x, torch.zeros(32, n, dtype=torch.int32), scales, 8, -1)
+        assert str(taken.value) == "matmul_flat"
 
 
 def _variants():
@@ -165,6 +157,7 @@ def _variants():
     ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 @pytest.mark.parametrize("variant", range(6))
 def test_kernel_variants(variant: int, group_size: int) -> None:
@@ -186,6 +179,7 @@ def test_kernel_variants(variant: int, group_size: int) -> None:
     assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("bits", [4, 8])
 def test_triton_dequantize(bits: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
@@ -226,6 +220,7 @@ def test_reference_matches_gptq_packing(bits: int, group_size: int) -> None:
     assert bool((err <= bound).all()), f"seed={seed}: worst excess {(err - bound).max().item():.3g}"
 
 
+@pytest.mark.interpreter
 def test_dispatch() -> None:
     seed = _seed()
     x, qweight, scales = _operands(seed, 6, 256, 64, 4, 128, torch.float16)
@@ -242,7 +237,7 @@ def test_dispatch() -> None:
 
 def test_invalid_arguments() -> None:
     x, qweight, scales = _operands(0, 2, 256, 64, 4, 128, torch.float16)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         w4a16_matmul(x, qweight, scales, backend="cuda")
     with pytest.raises(ValueError, match="bits"):
         w4a16_matmul(x, qweight, scales, bits=3)
@@ -264,7 +259,7 @@ def test_invalid_arguments() -> None:
 SALA_SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096)}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 4096])
 @pytest.mark.parametrize("shape", sorted(SALA_SHAPES))
 def test_gpu_sala_shapes(shape: str, m: int) -> None:
@@ -277,11 +272,10 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
-    else:  # the bf16 form of the 16-bit weight build (the interpreter checks the fp16 one)
-        if m == 1:  # the fp32 GEMV beside the paired one the dispatch takes
-            paths["gemv"] = lambda out: tk.matmul_gemv(x, qweight, scales, out=out)
-        paths["wleft"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out)
-        paths["wleft-ahead2"] = lambda out: tk.matmul_wleft(x, qweight, scales, out=out, ahead=2)
+    elif m == 1:  # the fp32 GEMV beside the paired one the dispatch takes
+        paths["gemv"] = lambda out: tk.matmul_gemv(x, qweight, scales, out=out)
+    else:  # the flat kernel beside the row kernel the dispatch takes
+        paths["flat"] = lambda out: tk.matmul_flat(x, qweight, scales, out=out)
     for name, run in paths.items():
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = run(out).float()
@@ -292,16 +286,13 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The flat split-K kernel (``matmul_flat``): every reduction mode, scale mode and tail case against the reference
+# The flat split-K kernel (``matmul_flat``): every scale mode and tail case against the reference
 
 
-@pytest.mark.parametrize(
-    ("m", "cuda_cores", "expand"),
-    [(1, True, False), (1, False, False), (4, False, False), (16, False, True), (7, False, True)],
-    ids=["gemv-cuda-cores", "dot-m1", "dot", "dot-expand-16", "dot-expand-7"],
-)
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m", [2, 7, 16])
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_size: int) -> None:
+def test_flat_matches_reference(m: int, group_size: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     # K = 416 is 3.25 tiles of 128 and 6.5 of 64: partial last tile and a last split with fewer tiles.
@@ -320,73 +311,24 @@ def test_flat_matches_reference(m: int, cuda_cores: bool, expand: bool, group_si
             block_n=32,
             block_k=block_k,
             tiles=tiles,
-            cuda_cores=cuda_cores,
-            expand=expand,
         )
         ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
         w = dequantize(qweight, scales, 4, group_size)
         what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bk={block_k} tiles={tiles}"
-        what += f" cc={cuda_cores} ex={expand}"
         _assert_close(y, ref, x, w, TOL[torch.float16], what)
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("group_size", [-1, 32, 64, 128])
-def test_wleft_matches_reference(m: int, group_size: int) -> None:
-    """The weights-left kernel (weights on the MMA's M side, built from 16-bit magic numbers, K loop per split)."""
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    # K = 416 leaves a partial last tile of 64 and splits of unequal length (3, 3 and 1 tiles: two tiles ahead
-    # reach past a split's end); N = 80 a partial column tile
-    cases = [(416, 80, 32, 64, 3, 2), (256, 64, 64, None, None, 1), (512, 96, 32, 32, 1, 2), (512, 96, 32, 32, 2, 1)]
-    for k, n, block_n, block_k, split_k, ahead in cases:
-        if group_size > 0 and (k % group_size or group_size % (block_k or min(group_size, 128))):
-            continue
-        seed = _seed()
-        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
-        out = _poisoned(m, n, torch.float16)
-        y = tk.matmul_wleft(
-            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k, ahead=ahead
-        )
-        assert y is out
-        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
-        w = dequantize(qweight, scales, 4, group_size)
-        what = f"seed={seed} M={m} K={k} N={n} gs={group_size} bn={block_n} bk={block_k} split={split_k} ahead={ahead}"
-        _assert_close(y, ref, x, w, TOL[torch.float16], what)
-
-
-def test_wleft_refuses_what_it_cannot_run() -> None:
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    x, qweight, scales = _operands(0, 4, 256, 64, 4, 32, torch.float16)
-    with pytest.raises(ValueError, match="groups of a multiple of block_k"):
-        tk.matmul_wleft(x, qweight, scales, 4, 32, block_k=64)  # groups smaller than a K tile
-    x8, qweight8, scales8 = _operands(0, 4, 256, 64, 8, 128, torch.float16)
-    with pytest.raises(ValueError, match="4-bit codes"):
-        tk.matmul_wleft(x8, qweight8, scales8, 8, 128)
-    x, qweight, scales = _operands(0, 4, 256, 64, 4, 128, torch.float16)
-    with pytest.raises(ValueError, match="4-bit codes"):
-        tk.matmul_wleft(x.float(), qweight, scales, 4, 128)
-    with pytest.raises(ValueError, match="powers of two"):
-        tk.matmul_wleft(x, qweight, scales, 4, 128, block_n=48)
-    with pytest.raises(ValueError, match="1 to 16 activation rows"):
-        tk.matmul_wleft(torch.zeros(17, 256, dtype=torch.float16), qweight, scales, 4, 128)
-    with pytest.raises(ValueError, match="ahead must be 1 or 2"):
-        tk.matmul_wleft(x, qweight, scales, 4, 128, ahead=3)
-
-
+@pytest.mark.interpreter
 def test_flat_8bit_and_bad_arguments() -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
-    for m, cuda_cores in ((1, True), (3, False)):
+    for m in (3, 16):
         seed = _seed()
         x, qweight, scales = _operands(seed, m, 256, 64, 8, 64, torch.float16)
-        y = tk.matmul_flat(x, qweight, scales, 8, 64, block_n=32, block_k=64, tiles=2, cuda_cores=cuda_cores)
+        y = tk.matmul_flat(x, qweight, scales, 8, 64, block_n=32, block_k=64, tiles=2)
         ref = w4a16_matmul_reference(x, qweight, scales, 8, 64)
         _assert_close(y, ref, x, dequantize(qweight, scales, 8, 64), TOL[torch.float16], f"seed={seed} 8-bit M={m}")
     x, qweight, scales = _operands(0, 2, 256, 64, 4, 128, torch.float16)
-    with pytest.raises(ValueError, match="one activation row"):
-        tk.matmul_flat(x, qweight, scales, cuda_cores=True)
     with pytest.raises(ValueError, match="block_k"):
         tk.matmul_flat(x, qweight, scales, block_k=12)
     x17, qweight, scales = _operands(0, 17, 256, 64, 4, 128, torch.float16)

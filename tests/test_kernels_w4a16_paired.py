@@ -9,8 +9,11 @@ import random
 import pytest
 import torch
 from error_bounds import assert_within
+
 from salaquant.kernels.counters import arrival_counters
 from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
+
+pytestmark = pytest.mark.random_inputs
 
 GROUP_SIZES = (-1, 32, 64, 128)
 # Each word's two 4-term sums take four fp16 roundings of at most 2**-11 of the running absolute sum (2**-9 in
@@ -33,6 +36,7 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
     assert_within(y, ref, bound, what)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("sub", [0, 16], ids=["tile", "subtiles"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
@@ -58,6 +62,7 @@ def test_paired_matches_reference(group_size: int, dtype: torch.dtype, sub: int)
         assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("sub", [0, 8], ids=["tile", "subtiles"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype, sub: int) -> None:
@@ -81,6 +86,7 @@ def test_paired_exact_where_fp16_is_exact(dtype: torch.dtype, sub: int) -> None:
         assert torch.equal(y.float(), ref), f"seed={seed}: {int((y.float() != ref).sum())} outputs differ"
 
 
+@pytest.mark.interpreter
 def test_paired_activations_near_the_fp16_limit() -> None:
     """The codes are scaled by 1/32, so each 4-term sum stays within the largest activation: fp16 activations up
     to 60000 give finite results within the bound."""
@@ -97,6 +103,7 @@ def test_paired_activations_near_the_fp16_limit() -> None:
     _bound_check(y, x, qweight, scales, 128, f"seed={seed} large activations")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("sub", [0, 16], ids=["tile", "subtiles"])
 def test_paired_scales_bf16_activations_past_fp16_range(sub: int) -> None:
     """bf16 activations beyond fp16's 65504 are scaled by a power of two per program before the fp16 conversion
@@ -135,7 +142,7 @@ def test_paired_refuses_what_it_cannot_run() -> None:
         tk.matmul_paired(x, qweight, scales, block_k=48)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "huge_bf16"], ids=["fp16", "bf16", "huge_bf16"])
 @pytest.mark.parametrize(("k", "n"), [(4096, 32768), (16384, 4096), (4096, 4096)], ids=["gate_up", "down", "o_proj"])
 def test_gpu_paired_ptx_equals_emulation(k: int, n: int, dtype: torch.dtype | str) -> None:

@@ -250,7 +250,7 @@ def test_stats_definitions(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert torch.equal(t["mlp_out.absmax"], allx.abs().amax(0).float())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_gpu_pinned_asynchronous_copies_equal_synchronous(tiny_ckpt: Path, tmp_path: Path) -> None:
     """Hidden states in pinned buffers (copies queued without waits, buffers reused across layers) give the same
     bytes as pageable buffers, whose copies complete before the call returns."""

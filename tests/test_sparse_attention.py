@@ -4,11 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from salaquant.model.config import DEFAULT_SPARSE_CONFIG
 from salaquant.model.sparse_attention import (
     SparseParams,
     block_scores,
     block_sparse_attention,
     compress_keys,
+    drop_forced_blocks,
     extend_compressed,
     infllm_v2_attention,
     num_compressed,
@@ -60,7 +62,7 @@ def test_params() -> None:
         "dense_len": 8192,
     }
     p = SparseParams.from_config(sala)
-    assert p == SparseParams()
+    assert p == SparseParams() == SparseParams.from_config(DEFAULT_SPARSE_CONFIG)
     assert p.local_blocks == 32 and p.total_topk == 96
     assert (p.kernel_size2, p.kernel_stride2) == (128, 64)
     assert TINY.local_blocks == 1 and TINY.total_topk == 5
@@ -191,6 +193,19 @@ def test_select_blocks_ties_and_future() -> None:
     # fewer blocks than total_topk: keep them all
     out = select_blocks(torch.rand(1, 2, 1, 2), 20, p)
     assert out.dtype == torch.int64 and out.tolist() == [[[[0, 1]], [[0, 1]]]]
+
+
+def test_drop_forced_blocks_keeps_the_rest() -> None:
+    """Hand-made rows: forced blocks (init 0, window qb-2..qb) leave, the others stay, longest row kept."""
+    small = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
+    idx = torch.tensor([[[[0, 3, 7, 8, 9], [0, 1, 2, 5, 9], [0, 6, 7, 8, 9]]]])
+    # block 16, init 1, local 2; queries at 158, 159, 160 -> qb 9, 9, 10
+    got = drop_forced_blocks(idx, 158, small)
+    assert got.dtype == torch.int32 and got.shape == (1, 1, 3, 3)  # the longest row keeps 3
+    assert got[0, 0, 0].tolist() == [3, -1, -1]
+    assert got[0, 0, 1].tolist() == [5, 2, 1]
+    assert got[0, 0, 2].tolist() == [7, 6, -1]
+    assert drop_forced_blocks(torch.tensor([[[[0, 9]]]]), 150, small).tolist() == [[[[-1]]]]  # nothing left
 
 
 @pytest.mark.parametrize(

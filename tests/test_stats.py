@@ -45,7 +45,7 @@ def test_sums_match_float64(dtype: torch.dtype) -> None:
     _check(_collect(samples, "cpu", chunk=16), samples, tol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("half_product", [True, False])
 def test_gpu_bf16_hessian_on_tensor_cores_is_exact_to_fp32_rounding(
     half_product: bool, monkeypatch: pytest.MonkeyPatch

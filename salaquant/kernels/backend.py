@@ -1,6 +1,6 @@
 """Which implementation a kernel call runs: the Triton kernels or the PyTorch reference beside them.
 
-Every family (``w4a16``, ``nvfp4``, ``gptq``, and GLA and InfLLM-v2 through ``salaquant.model``) takes a ``backend``
+Every family (``w4a16``, ``nvfp4``, ``gptq``, and GLA and InfLLM-v2 through the model's dispatchers) takes a ``backend``
 string and asks ``use_triton``: ``"auto"`` runs Triton where every operand is a CUDA tensor and Triton is installed,
 the reference elsewhere; ``"triton"`` always runs Triton (CPU tensors only under the interpreter,
 ``TRITON_INTERPRET=1``); ``"reference"`` always runs the reference. Triton itself is imported only once a Triton

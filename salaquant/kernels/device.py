@@ -78,8 +78,11 @@ def pdl_capable(device: torch.device) -> bool:
 
 def pdl_launch(device: torch.device, on: bool) -> dict[str, bool]:
     """The ``PDL`` constexpr and ``launch_pdl`` option of a kernel that can start by programmatic dependent launch:
-    on where asked and ``pdl_capable``. Such a kernel waits for the one before it (``griddepcontrol.wait``) before
-    reading its output; the 4-bit matrix kernels load their first weights before that wait, so they take it only
-    for weights the kernel just before did not write (a decode step's, in a CUDA graph). Run a call once eagerly
-    with the same setting before capturing it, so that the capture compiles nothing."""
+    on where asked and ``pdl_capable``. Such a kernel is scheduled while the one before it still runs and waits for
+    it (``griddepcontrol.wait``) before reading its output, so the launch gap between dependent kernels overlaps;
+    that gap is what a decode step replayed from a CUDA graph is made of, and the runtime's decode is to be captured
+    in CUDA graphs, where PDL applies. The InfLLM-v2 kernels always take it; the 4-bit matrix kernels (``pdl=True``)
+    load their first weights before the wait, so they take it only for weights the kernel just before did not write
+    (a decode step's). Run a call once eagerly with the same setting before capturing it, so that the capture
+    compiles nothing."""
     return {"PDL": True, "launch_pdl": True} if on and pdl_capable(device) else {"PDL": False}

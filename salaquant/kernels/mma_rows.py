@@ -14,7 +14,8 @@ for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes 
 (``w4a16.paired_gemv``, ``nvfp4.paired_gemv``) turn a word into the fp16 pairs ``(c_j, c_{j+4})`` for
 ``j = 0..3``, exactly the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernels, so slot pair
 ``(2q, 2q+1)`` of step ``s`` is ``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps
-use a word's eight codes; a second pair of MMAs takes activation rows 8-15 when there are more than 8.
+use a word's eight codes; for GPTQ a second pair of MMAs takes activation rows 8-15 when there are more than 8
+(NVFP4 runs the kernel for at most 8 rows).
 
 A warp owns ``16 * TILES`` columns. GPTQ (``[K / 8, N]`` words): each MMA accumulates one group's products (fp32,
 C chained), which are then scaled by the group's column scales into the output accumulators. With bf16 activations
@@ -56,8 +57,8 @@ from .paired_f16 import (
     max_exponent,
     pow2,
 )
+from .split_k import finish_split_k
 from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
-from .w4a16.split_k import finish_split_k
 
 __all__ = ["check_launch", "emulated_mma", "mma_rows_kernel"]
 
@@ -137,11 +138,10 @@ def _constraints(two: bool, fp4: bool) -> str:
     return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * (2 if fp4 else 7))
 
 
-# one PTX block and constraint string per case: up to 8 rows or 16 ("TWO"), GPTQ or NVFP4 ("FP4")
+# one PTX block and constraint string per case: GPTQ up to 8 rows or 16 ("TWO"), or NVFP4 ("FP4", up to 8 rows)
 PTX_ONE, CON_ONE = tl.constexpr(_round_ptx(False, False)), tl.constexpr(_constraints(False, False))
 PTX_TWO, CON_TWO = tl.constexpr(_round_ptx(True, False)), tl.constexpr(_constraints(True, False))
-PTX_ONE_FP4, CON_ONE_FP4 = tl.constexpr(_round_ptx(False, True)), tl.constexpr(_constraints(False, True))
-PTX_TWO_FP4, CON_TWO_FP4 = tl.constexpr(_round_ptx(True, True)), tl.constexpr(_constraints(True, True))
+PTX_FP4, CON_FP4 = tl.constexpr(_round_ptx(False, True)), tl.constexpr(_constraints(False, True))
 PTX_ONE_BF16, PTX_TWO_BF16 = tl.constexpr(_round_ptx(False, False, True)), tl.constexpr(_round_ptx(True, False, True))
 _BF16_MASK, _BF16_MAGIC = i32(0x000F000F), i32(0x43004300)  # codes at bit 0 of each half; a pair of bf16 128.0
 _BF16_ONE, _BF16_MINUS136 = i32(0x3F803F80), i32(0xC308C308)  # pairs of bf16 1.0 and -136.0
@@ -282,10 +282,8 @@ def _round(
     if ASM:
         f4: tl.constexpr = [tl.float32] * 4
         f8: tl.constexpr = [tl.float32] * 8
-        if FP4 and TWO:
-            return tl.inline_asm_elementwise(PTX_TWO_FP4, CON_TWO_FP4, (wg, wh) + p + q + acc + (sg, sh), f8, True, 1)  # noqa: RUF005
-        elif FP4:
-            return tl.inline_asm_elementwise(PTX_ONE_FP4, CON_ONE_FP4, (wg, wh) + p + acc + (sg, sh), f4, True, 1)  # noqa: RUF005
+        if FP4:
+            return tl.inline_asm_elementwise(PTX_FP4, CON_FP4, (wg, wh) + p + acc + (sg, sh), f4, True, 1)  # noqa: RUF005
         elif MMA_BF16 and TWO:
             consts = _bf16_constants(wg.shape)
             return tl.inline_asm_elementwise(PTX_TWO_BF16, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
@@ -321,7 +319,7 @@ def _round(
 @triton.jit
 def _pairs(
     x_ptr, row, wrow, M, stride_xm, shift, BF16: tl.constexpr, RAW: tl.constexpr, ASM: tl.constexpr,
-    X_EVICT: tl.constexpr, SCALED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):  # fmt: skip
     """The pairs ``(x[8 w + j], x[8 w + j + 4])``, ``j = 0..3``, of activation row ``row`` at word row ``wrow`` (per
     thread; zeros for rows past ``M``): fp16 (times ``2**-shift`` when ``SCALED``), or with ``RAW`` in the
@@ -329,7 +327,7 @@ def _pairs(
     ok = row < M
     xb = (x_ptr + row.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32), bitcast=True) + wrow * 4
     # the word row's eight activations as one 16-byte load per thread ([threads, 4] int32, a row per thread)
-    v = tl.load(xb[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0, eviction_policy=X_EVICT)
+    v = tl.load(xb[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
     even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # int32 pairs 0 and 2, 1 and 3
     v01, v45 = tl.split(even)
     v23, v67 = tl.split(odd)
@@ -350,7 +348,6 @@ def _zeros(n: tl.constexpr, WARPS: tl.constexpr):
 @triton.jit
 def _load_group(
     w_ptr, s_ptr, grp, q, col, N, K, ROUNDS: tl.constexpr, TILES: tl.constexpr, FP4: tl.constexpr, row_end,
-    W_CACHE: tl.constexpr,
 ):  # fmt: skip
     """Group ``grp``'s words of this thread: for each round ``r`` and tile ``t``, word row ``4 (ROUNDS grp + r) + q``
     at columns ``col + 16 t`` and ``col + 16 t + 8`` (zeros from word row ``row_end`` on or past ``N``), and with
@@ -368,18 +365,18 @@ def _load_group(
                 at_g = w_ptr + c.to(tl.int64) * (K // 8) + wrow
                 s_g = s_ptr + c.to(tl.int64) * (K // 16) + wrow // 2
                 words = words + (  # noqa: RUF005
-                    tl.load(at_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
-                    tl.load(at_g + 8 * (K // 8), mask=ok_h, other=0, cache_modifier=W_CACHE),
+                    tl.load(at_g, mask=ok_g, other=0),
+                    tl.load(at_g + 8 * (K // 8), mask=ok_h, other=0),
                 )
                 scales = scales + (  # noqa: RUF005
-                    tl.load(s_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
-                    tl.load(s_g + 8 * (K // 16), mask=ok_h, other=0, cache_modifier=W_CACHE),
+                    tl.load(s_g, mask=ok_g, other=0),
+                    tl.load(s_g + 8 * (K // 16), mask=ok_h, other=0),
                 )
             else:
                 at_g = w_ptr + wrow.to(tl.int64) * N + c
                 words = words + (  # noqa: RUF005
-                    tl.load(at_g, mask=ok_g, other=0, cache_modifier=W_CACHE),
-                    tl.load(at_g + 8, mask=ok_h, other=0, cache_modifier=W_CACHE),
+                    tl.load(at_g, mask=ok_g, other=0),
+                    tl.load(at_g + 8, mask=ok_h, other=0),
                 )
     return words + scales
 
@@ -405,17 +402,15 @@ def mma_rows_kernel(
     FP4: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
-    W_CACHE: tl.constexpr = "",
-    X_EVICT: tl.constexpr = "",
     PDL: tl.constexpr = False,
 ):
     """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
     grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
     (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a multiple of it),
-    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO``: more than 8 rows. With ``PDL`` (programmatic
-    dependent launch) the program loads its first group's words while the kernel before it still runs, waits for
-    that kernel before reading the activations or writing anything, and lets the next kernel launch after its main
-    loop."""
+    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO`` (GPTQ only): more than 8 rows. With ``PDL``
+    (programmatic dependent launch) the program loads its first group's words while the kernel before it still
+    runs, waits for that kernel before reading the activations or writing anything, and lets the next kernel launch
+    after its main loop."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
@@ -435,7 +430,7 @@ def mma_rows_kernel(
 
     row_end = g_end * ROUNDS * 4  # this split's last word row + 1
     if PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
-        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
+        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end)
         gdc_wait()
 
     SCALED: tl.constexpr = FP4 and BF16  # bf16 rounded to fp16: scaled into its range first
@@ -448,19 +443,19 @@ def mma_rows_kernel(
 
     acc = _zeros(NACC * TILES, WARPS)
     if not PDL:  # after the range read
-        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
+        loaded = _load_group(w_ptr, s_ptr, g_start, q, col, N, K, ROUNDS, TILES, FP4, row_end)
     for grp in range(g_start, g_end):
         # the next group's words are loaded before this group's math: ROUNDS * 2 * TILES words per thread in flight
-        nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end, W_CACHE)
+        nxt = _load_group(w_ptr, s_ptr, grp + 1, q, col, N, K, ROUNDS, TILES, FP4, row_end)
         if FP4:  # noqa: SIM108 (a constexpr branch): scaled per block before the MMA, so straight into acc
             part = acc
         else:
             part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
-            p = _pairs(x_ptr, g, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, X_EVICT, SCALED)
+            p = _pairs(x_ptr, g, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, SCALED)
             if TWO:  # noqa: SIM108 (a constexpr branch)
-                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, X_EVICT, SCALED)
+                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, SCALED)
             else:
                 qp = p
             new = ()
@@ -525,4 +520,5 @@ def mma_rows_kernel(
                 tl.store(part_ptr + (tl.program_id(1) * M + row) * N + c, v, mask=ok)
     if n_split > 1:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        finish_split_k(y_ptr, part_ptr, cnt_ptr, tl.arange(0, 16), offs_n, M, N, stride_ym)
+        rows = tl.arange(0, 16)[:, None]
+        finish_split_k(y_ptr, part_ptr, cnt_ptr, rows, offs_n[None, :], M, N, stride_ym, tl.program_id(0), 1.0)

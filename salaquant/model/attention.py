@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from .cache import LightningLayerCache, SparseLayerCache
 from .config import SalaConfig
@@ -37,6 +36,8 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     elif tq == 1:
         out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     else:
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it imports triton
+
         bias = causal_lower_right(tq, tk)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
@@ -63,7 +64,7 @@ class SparseAttention(nn.Module):
             self.o_gate = nn.Linear(h, self.num_heads * d, bias=False)
         self.dense_len = config.dense_len
         self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
-        self.sparse_fn = infllm_v2_attention  # the runtime swaps in salaquant.kernels.infllm
+        self.sparse_fn = infllm_v2_attention  # the reference; the runtime binds a backend (use_layer_kernels)
 
     def use_sparse(self, total_len: int, mode: str) -> bool:
         if mode == "dense":
@@ -144,7 +145,7 @@ class LightningAttention(nn.Module):
             self.o_norm = RMSNorm(self.num_heads * d, config.rms_norm_eps)
         if self.use_gate:
             self.z_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.gla_fn = simple_gla  # the runtime swaps in salaquant.kernels.gla
+        self.gla_fn = simple_gla  # the reference; the runtime binds a backend (use_layer_kernels)
 
     def forward(
         self,
@@ -167,7 +168,7 @@ class LightningAttention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         state = cache.state if cache is not None else None
-        # computed in fp32 from the activations' values (both gla_fn implementations upcast 16-bit inputs as
+        # computed in fp32 from the activations' values (both backends of simple_gla upcast 16-bit inputs as
         # they read them, without fp32 copies)
         o, final = self.gla_fn(
             q,

@@ -25,6 +25,7 @@ DEFAULT_SPARSE_CONFIG: dict[str, Any] = {
     "use_nope": False,
     "dense_len": 8192,
 }
+"""MiniCPM-SALA's ``sparse_config``: a config.json's missing keys take these, and so do ``SparseParams``' fields."""
 
 
 class ConfigError(ValueError):

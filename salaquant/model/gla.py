@@ -7,13 +7,16 @@ Layout follows fla: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, state ``[B, H, 
     S_t = exp(g) * S_{t-1} + k_t v_t^T
     o_t = scale * q_t^T S_t
 
-All math runs in fp32. Outputs ``o: [B, T, H, V]`` and the final state are fp32.
+All math runs in fp32. Outputs ``o: [B, T, H, V]`` and the final state are fp32. ``simple_gla`` runs this
+reference or, by its ``backend``, the Triton kernels of ``salaquant.kernels.gla`` (imported only then).
 """
 
 import math
 
 import torch
 from torch import Tensor
+
+from ..kernels.backend import use_triton
 
 __all__ = [
     "RECURRENT_MAX_LEN",
@@ -192,9 +195,24 @@ def simple_gla(
     output_final_state: bool = False,
     *,
     out_dtype: torch.dtype = torch.float32,
+    backend: str = "reference",
 ) -> tuple[Tensor, Tensor | None]:
-    """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise. The chunked form's
-    output is cast to ``out_dtype`` (the kernels store it in that dtype directly)."""
+    """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise, in fp32 from inputs of any
+    dtype. The chunked form's output is cast to ``out_dtype`` (the kernels store it in that dtype directly).
+
+    ``backend`` (``salaquant.kernels.backend.use_triton``): ``"reference"`` runs this module's code, ``"triton"``
+    the Triton kernels, ``"auto"`` the kernels on CUDA tensors and the reference elsewhere. The kernels compute
+    16-bit inputs in fp32 as they load them (``upcast``), so both give the same numbers up to the order of fp32
+    operations and TF32 dots."""
+    if use_triton(backend, q, k, v):
+        _check_inputs(q, k, v, g_gamma, initial_state)
+        from ..kernels import gla
+
+        if q.shape[1] < RECURRENT_MAX_LEN:
+            return gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, output_final_state)
+        return gla.chunk_fwd(
+            q, k, v, g_gamma, scale, initial_state, output_final_state, out_dtype=out_dtype, upcast=True
+        )
     if q.shape[1] < RECURRENT_MAX_LEN:
         return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
     o, final = chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)

@@ -14,7 +14,8 @@ Pipeline:
 4. Keep the top ``topk + window_size // block_size`` blocks per (query, KV head); future blocks -> ``-1``.
 5. Causal attention over the keys of the selected blocks only.
 
-All scoring math runs in fp32.
+All scoring math runs in fp32. ``infllm_v2_attention`` runs this reference or, by its ``backend``, the Triton
+kernels of ``salaquant.kernels.infllm`` (imported only then), which compute the same pipeline.
 """
 
 import math
@@ -25,11 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..kernels.backend import use_triton
+from .config import DEFAULT_SPARSE_CONFIG
+
 __all__ = [
     "SparseParams",
     "block_scores",
     "block_sparse_attention",
     "compress_keys",
+    "drop_forced_blocks",
     "extend_compressed",
     "forced_blocks",
     "infllm_v2_attention",
@@ -44,14 +49,14 @@ K2_FACTOR = 4
 
 @dataclass(frozen=True)
 class SparseParams:
-    """InfLLM-v2 sparse attention settings (defaults are SALA's ``sparse_config``)."""
+    """InfLLM-v2 sparse attention settings; the defaults are SALA's ``sparse_config`` (``DEFAULT_SPARSE_CONFIG``)."""
 
-    kernel_size: int = 32
-    kernel_stride: int = 16
-    init_blocks: int = 1
-    block_size: int = 64
-    window_size: int = 2048
-    topk: int = 64
+    kernel_size: int = DEFAULT_SPARSE_CONFIG["kernel_size"]
+    kernel_stride: int = DEFAULT_SPARSE_CONFIG["kernel_stride"]
+    init_blocks: int = DEFAULT_SPARSE_CONFIG["init_blocks"]
+    block_size: int = DEFAULT_SPARSE_CONFIG["block_size"]
+    window_size: int = DEFAULT_SPARSE_CONFIG["window_size"]
+    topk: int = DEFAULT_SPARSE_CONFIG["topk"]
 
     def __post_init__(self) -> None:
         for name in ("kernel_size", "kernel_stride", "block_size"):
@@ -234,6 +239,18 @@ def forced_blocks(blocks: Tensor, qb: Tensor, params: SparseParams) -> Tensor:
     return (blocks < params.init_blocks) | ((blocks >= qb - params.local_blocks) & (blocks <= qb))
 
 
+def drop_forced_blocks(block_idx: Tensor, q_start: int, params: SparseParams) -> Tensor:
+    """``block_idx [B, Hkv, Tq, S]`` without each row's forced blocks, the rest first (descending), trimmed to the
+    longest row (int32; rows with nothing left keep one -1): what the Triton stage 2 takes beside the kernel that
+    attends the forced blocks."""
+    tq = block_idx.shape[2]
+    qb = ((q_start + torch.arange(tq, device=block_idx.device)) // params.block_size).view(1, 1, tq, 1)
+    blk = block_idx.long()
+    rest = torch.where(forced_blocks(blk, qb, params), -1, blk).sort(dim=-1, descending=True).values
+    keep = max(1, int((rest >= 0).sum(dim=-1).max())) if rest.numel() else 1
+    return rest[..., :keep].to(torch.int32).contiguous()
+
+
 def select_blocks(block_scores: Tensor, q_start: int, params: SparseParams) -> Tensor:
     """Top ``min(total_topk, n_blocks)`` blocks per row, ``[B, Hkv, Tq, k]`` int64.
 
@@ -299,10 +316,13 @@ def infllm_v2_attention(
     params: SparseParams,
     k1: Tensor | None = None,
     k2: Tensor | None = None,
+    backend: str = "reference",
 ) -> Tensor:
     """Full InfLLM-v2 pipeline; queries are the last ``Tq`` positions of the ``Tk`` keys.
 
-    ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted).
+    ``k1``/``k2`` are the compressed keys of all ``Tk`` keys (computed from ``k`` when omitted). ``backend``
+    (``salaquant.kernels.backend.use_triton``): ``"reference"`` runs this module's code, ``"triton"`` the Triton
+    kernels (``_kernel_attention``), ``"auto"`` the kernels on CUDA tensors and the reference elsewhere.
     """
     tq, tk = q.shape[1], k.shape[1]
     if tq > tk:
@@ -312,7 +332,41 @@ def infllm_v2_attention(
         k1 = compress_keys(k, params.kernel_size, params.kernel_stride)
     if k2 is None:
         k2 = compress_keys(k, params.kernel_size2, params.kernel_stride2)
+    if use_triton(backend, q, k1, k2):
+        return _kernel_attention(q, k, v, k1, k2, q_start, params)
     scores = stage1_scores(q, k1, k2, q_start, params)
     blocks = block_scores(scores, q_start, tk, params)
     idx = select_blocks(blocks, q_start, params)
     return block_sparse_attention(q, k, v, idx, q_start, params)
+
+
+def _kernel_attention(
+    q: Tensor, k: Tensor, v: Tensor, k1: Tensor, k2: Tensor, q_start: int, params: SparseParams
+) -> Tensor:
+    """The pipeline on the Triton kernels: stage-1 scores, then pooling and top-k in one kernel, ``SELECT_CHUNK``
+    queries at a time into one index tensor, then stage 2 over all queries. With at least
+    ``LOCAL_DENSE_MIN_QUERIES`` queries, and when every selection holds its forced blocks
+    (``params.keeps_forced_blocks``), the forced blocks go to the sliding-window kernel and the rest per query."""
+    from ..kernels import infllm
+
+    tq, tk = q.shape[1], k.shape[1]
+    p = params
+    n_sel = min(p.total_topk, -(-tk // p.block_size))
+    idx = torch.empty(q.shape[0], k.shape[2], tq, n_sel, dtype=torch.int32, device=q.device)
+    for c0 in range(0, tq, infllm.SELECT_CHUNK):
+        c1 = min(tq, c0 + infllm.SELECT_CHUNK)
+        start = q_start + c0
+        scores = infllm.stage1_scores(
+            q[:, c0:c1], k1, k2, start, p.kernel_size, p.kernel_stride, p.kernel_size2, p.kernel_stride2
+        )
+        infllm.pool_select(
+            scores, start, tk, p.block_size, p.kernel_stride, p.init_blocks, p.local_blocks, p.total_topk,
+            out=idx[:, :, c0:c1],
+        )  # fmt: skip
+        del scores
+    if p.keeps_forced_blocks and tq >= infllm.LOCAL_DENSE_MIN_QUERIES:
+        rest = drop_forced_blocks(idx, q_start, p)
+        return infllm.block_sparse_attention(
+            q, k, v, rest, q_start, p.block_size, forced=(p.init_blocks, p.local_blocks)
+        )
+    return infllm.block_sparse_attention(q, k, v, idx, q_start, p.block_size)

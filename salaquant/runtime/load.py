@@ -29,14 +29,14 @@ def checkpoint_format(reader: CheckpointReader) -> str:
 
 
 def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
-    """Route one decoder layer's GLA and sparse attention through ``salaquant.kernels`` (Triton on CUDA
-    tensors, the PyTorch references elsewhere)."""
-    from ..kernels.gla import simple_gla
-    from ..kernels.infllm import infllm_v2_attention
+    """Route one decoder layer's GLA and sparse attention through ``salaquant.kernels`` by ``backend`` (``"auto"``:
+    Triton on CUDA tensors, the PyTorch references elsewhere): the model's dispatchers with it bound."""
+    from ..model.gla import simple_gla
+    from ..model.sparse_attention import infllm_v2_attention
 
     attn = layer.self_attn
     if hasattr(attn, "gla_fn"):
-        attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, upcast=True, **k)  # fp32 math, as SALA
+        attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
     if hasattr(attn, "sparse_fn"):
         attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
 

@@ -1,8 +1,9 @@
 """Triton kernels for Simple GLA: chunked prefill (chunk 64) and fused recurrent decode.
 
-Layout as in ``salaquant.model.gla``: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` (last dim contiguous,
-other strides free), state ``[B, H, K, V]`` fp32, ``g_gamma: [H]`` log decay ``<= 0``. Outputs are fp32
-unless ``chunk_fwd`` is asked for another dtype.
+Layout as in the reference (the model package's ``gla.py``), which checks the shapes before it calls these:
+``q, k: [B, T, H, K]``, ``v: [B, T, H, V]`` (last dim contiguous, other strides free), state ``[B, H, K, V]``
+fp32, ``g_gamma: [H]`` log decay ``<= 0``. Outputs are fp32 unless ``chunk_fwd`` is asked for another dtype. The
+chunk kernels' ``tl.dot`` on fp32 operands runs in TF32, as fla's.
 
 Prefill runs two kernels over chunks of 64 tokens:
 
@@ -15,7 +16,7 @@ Prefill runs two kernels over chunks of 64 tokens:
 
 Decode runs ``_recurrent_kernel``, grid ``(V tiles, B*H)``: one program holds a ``[K, BV]`` fp32 state
 tile (the whole K, so no split-K reduction) and steps through the T tokens:
-``S = exp(g) S + k v^T``, ``o = scale * q^T S``. It can write the final state over the initial one.
+``S = exp(g) S + k v^T``, ``o = scale * q^T S``.
 
 Every decay factor is ``exp`` of a non-positive number computed in fp32.
 """
@@ -29,17 +30,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...model.gla import _check_inputs
 from ..device import INTERPRET as _INTERPRET
 from ..host import cdiv, next_power_of_2
 
-__all__ = ["CHUNK", "PRECISIONS", "chunk_fwd", "recurrent_fwd"]
+__all__ = ["CHUNK", "chunk_fwd", "recurrent_fwd"]
 
 CHUNK = 64
 """Chunk length of the prefill kernels."""
-
-PRECISIONS = ("tf32", "tf32x3", "ieee")
-"""``tl.dot`` input precisions for fp32 operands (ignored for bf16/fp16 inputs)."""
 
 Config = tuple[int, int, int, int]
 """A launch configuration ``(BK, BV, num_warps, num_stages)``."""
@@ -67,28 +64,22 @@ OUTPUT_CONFIGS: tuple[Config, ...] = (
     (64, 128, 4, 3),
     (64, 32, 4, 3),
 )
-"""Autotune space of ``_chunk_output_kernel`` on the GPU. ``(128, 32, 4, 2)`` was dropped: with bf16 inputs
-and a bf16 output it returned wrong values (relative error 0.75 at T=8192) and at T=32768 faulted with an
-illegal memory access on an H200 (Triton 3.6), where every other candidate matched the reference in that case
-(and every candidate with fp32 inputs and output)."""
+"""Autotune space of ``_chunk_output_kernel`` on the GPU (one candidate that miscompiled for a bf16 output is not
+among them: ``docs/kernels.md``)."""
 
-TUNED_CONFIGS: dict[tuple[int, int, int, str, torch.dtype, torch.dtype], tuple[Config, Config]] = {
-    # the runtime's and the calibration engine's case: fp32 operands, TF32 dots, SALA head dims, on Hopper; the
-    # output stored as fp32 or as the activations' bf16 (the same tiles: tuned for the fp32 output)
-    (9, 128, 128, "tf32", torch.float32, torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
-    (9, 128, 128, "tf32", torch.float32, torch.bfloat16): ((32, 64, 4, 3), (128, 64, 4, 2)),
-    # the other cases the kernel benchmark autotuned (benchmarks/kernels_gla.py, T = 32768); the bf16 state kernel
-    # (the same for either output) from benchmarks/gla_configs.py's wider sweep
-    (9, 128, 128, "tf32x3", torch.float32, torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
-    (9, 128, 128, "ieee", torch.float32, torch.float32): ((64, 64, 8, 3), (64, 64, 4, 3)),
-    (9, 128, 128, "tf32", torch.bfloat16, torch.float32): ((64, 64, 8, 4), (128, 64, 4, 2)),
-    # bf16 in and out, fla's case: the best pair of benchmarks/gla_configs.py's sweep at T = 32768
-    (9, 128, 128, "tf32", torch.bfloat16, torch.bfloat16): ((64, 64, 8, 4), (64, 128, 4, 3)),
+TUNED_CONFIGS: dict[tuple[int, int, int, torch.dtype, torch.dtype], tuple[Config, Config]] = {
+    # the runtime's and the calibration engine's case: fp32 operands (or 16-bit ones computed in fp32), SALA head
+    # dims; the output stored as fp32 or as the activations' bf16 (the same tiles: tuned for the fp32 output)
+    (9, 128, 128, torch.float32, torch.float32): ((32, 64, 4, 3), (128, 64, 4, 2)),
+    (9, 128, 128, torch.float32, torch.bfloat16): ((32, 64, 4, 3), (128, 64, 4, 2)),
+    # bf16 operands with bf16 dots; bf16 in and out is fla's case
+    (9, 128, 128, torch.bfloat16, torch.float32): ((64, 64, 8, 4), (128, 64, 4, 2)),
+    (9, 128, 128, torch.bfloat16, torch.bfloat16): ((64, 64, 8, 4), (64, 128, 4, 3)),
 }
-"""State and output configurations chosen by the autotuner on an H200, keyed by ``(compute capability major,
-K, V, precision, input dtype, output dtype)``. A listed case launches them directly instead of compiling and
-timing every candidate on its first call (about ten seconds of a quantization run); ``SALAQUANT_GLA_AUTOTUNE=1``
-autotunes it anyway."""
+"""State and output configurations chosen by autotuning on an NVIDIA H200 (compute capability 9), keyed by
+``(compute capability major, K, V, compute dtype, output dtype)``. A listed case launches them directly instead of
+compiling and timing every candidate on its first call (about ten seconds of a quantization run);
+``SALAQUANT_GLA_AUTOTUNE=1`` autotunes it anyway."""
 
 _FORCE_AUTOTUNE = os.environ.get("SALAQUANT_GLA_AUTOTUNE", "0") == "1"
 
@@ -128,7 +119,7 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: obj
 
 @triton.autotune(
     configs=_triton_configs(STATE_CONFIGS),
-    key=["K", "V", "PREC", "UPCAST"],
+    key=["K", "V", "UPCAST"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -155,7 +146,6 @@ def _chunk_state_kernel(
     BV: tl.constexpr,
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
-    PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     i_k = tl.program_id(0)
@@ -199,7 +189,7 @@ def _chunk_state_kernel(
         # exp(g (L - 1 - j)) for j < L, 0 past the end of the sequence
         k_decay = tl.where(m_t, tl.exp(g * tl.maximum(length - 1.0 - pos.to(tl.float32), 0.0)), 0.0)
         b_kt = (b_kt.to(tl.float32) * k_decay[None, :]).to(b_kt.dtype)
-        state = state * tl.exp(g * length) + tl.dot(b_kt, b_v, input_precision=PREC)
+        state = state * tl.exp(g * length) + tl.dot(b_kt, b_v, input_precision="tf32")
 
     if STORE_HT:
         tl.store(ht_ptr + i_bh * K * V + off_kv, state, mask=m_kv)
@@ -207,7 +197,7 @@ def _chunk_state_kernel(
 
 @triton.autotune(
     configs=_triton_configs(OUTPUT_CONFIGS),
-    key=["K", "V", "PREC", "UPCAST"],
+    key=["K", "V", "UPCAST"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -236,7 +226,6 @@ def _chunk_output_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -275,12 +264,12 @@ def _chunk_output_kernel(
             b_q = b_q.to(tl.float32)
             b_kt = b_kt.to(tl.float32)
         b_h = tl.load(h_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
-        b_attn += tl.dot(b_q, b_kt, input_precision=PREC)
+        b_inter += tl.dot(b_q.to(b_h.dtype), b_h, input_precision="tf32")
+        b_attn += tl.dot(b_q, b_kt, input_precision="tf32")
     b_v = tl.load(v_base + rows[:, None] * s_vt + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     if UPCAST:
         b_v = b_v.to(tl.float32)
-    b_o = b_inter * q_decay[:, None] + tl.dot((b_attn * intra_decay).to(b_v.dtype), b_v, input_precision=PREC)
+    b_o = b_inter * q_decay[:, None] + tl.dot((b_attn * intra_decay).to(b_v.dtype), b_v, input_precision="tf32")
     o_ptrs = o_ptr + ((i_b * T + rows[:, None]) * H + i_h) * V + o_v[None, :]
     tl.store(o_ptrs, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
@@ -355,8 +344,7 @@ def _recurrent_kernel(
 def _prepare(
     q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Shape checks; one dtype for q/k/v with unit stride on the last dim; fp32 contiguous g_gamma and state."""
-    _check_inputs(q, k, v, g_gamma, initial_state)
+    """One dtype for q/k/v with unit stride on the last dim; fp32 contiguous g_gamma and state."""
     dtype = q.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != dtype or v.dtype != dtype:
         dtype = torch.float32
@@ -368,19 +356,14 @@ def _prepare(
     return q, k, v, g, initial_state
 
 
-def _check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-
-
 def _tuned(
-    device: torch.device, dk: int, dv: int, precision: str, dtype: torch.dtype, out_dtype: torch.dtype
+    device: torch.device, dk: int, dv: int, dtype: torch.dtype, out_dtype: torch.dtype
 ) -> tuple[Config, Config] | None:
     """The measured configurations of this case, or ``None`` to autotune."""
     if _INTERPRET or _FORCE_AUTOTUNE or device.type != "cuda":
         return None
     major = torch.cuda.get_device_capability(device)[0]
-    return TUNED_CONFIGS.get((major, dk, dv, precision, dtype, out_dtype))
+    return TUNED_CONFIGS.get((major, dk, dv, dtype, out_dtype))
 
 
 def _pinned(kernel: triton.runtime.Autotuner, config: Config | None, dk: int, dv: int) -> tuple[object, dict]:
@@ -399,7 +382,6 @@ def chunk_fwd(
     scale: float,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    precision: str = "tf32",
     *,
     configs: tuple[Config, Config] | None = None,
     out_dtype: torch.dtype = torch.float32,
@@ -408,16 +390,13 @@ def chunk_fwd(
     """Chunked prefill (chunk 64). Returns ``o [B, T, H, V]`` (fp32 unless ``out_dtype``) and the fp32 final
     state if asked.
 
-    ``precision`` is the ``tl.dot`` input precision for fp32 inputs (``"tf32"`` as fla, ``"tf32x3"``,
-    ``"ieee"``); bf16/fp16 inputs use their own tensor-core dots, unless ``upcast``: then their tiles become fp32
-    as they are loaded and everything runs as for fp32 inputs holding the same values (the same results up to the
-    order of fp32 operations: relative 5e-6 on the output at SALA's shape on an H200, half the bytes read, no
-    separate casts). ``configs`` pins the state and output
-    kernels to one ``(BK, BV, num_warps, num_stages)`` each (tiles clamped to K and V) instead of autotuning
-    them, so that each configuration of ``STATE_CONFIGS`` / ``OUTPUT_CONFIGS`` can be run on its own; left
-    ``None``, a case listed in ``TUNED_CONFIGS`` uses its entry and any other case is autotuned.
+    fp32 inputs run TF32 dots; bf16/fp16 inputs their own tensor-core dots, unless ``upcast`` (the model's fp32
+    math): then their tiles become fp32 as they are loaded and everything runs as for fp32 inputs holding the same
+    values (the same results up to the order of fp32 operations, half the bytes read, no separate casts).
+    ``configs`` pins the state and output kernels to one ``(BK, BV, num_warps, num_stages)`` each (tiles clamped to
+    K and V) instead of autotuning them, so that each configuration of ``STATE_CONFIGS`` / ``OUTPUT_CONFIGS`` can be
+    run on its own; left ``None``, a case listed in ``TUNED_CONFIGS`` uses its entry and any other case is autotuned.
     """
-    _check_precision(precision)
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
@@ -434,7 +413,7 @@ def chunk_fwd(
     upcast = upcast and q.dtype != torch.float32
     compute_dtype = torch.float32 if upcast else q.dtype
     if configs is None:
-        configs = _tuned(q.device, dk, dv, precision, compute_dtype, out_dtype)
+        configs = _tuned(q.device, dk, dv, compute_dtype, out_dtype)
     nc = cdiv(t, CHUNK)
     h_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
     states = torch.empty(b, h, nc, dk, dv, dtype=h_dtype, device=q.device)
@@ -465,7 +444,6 @@ def chunk_fwd(
         BT=CHUNK,
         USE_H0=h0 is not None,
         STORE_HT=ht is not None,
-        PREC=precision,
         UPCAST=upcast,
         **state_meta,
     )
@@ -497,7 +475,6 @@ def chunk_fwd(
         K=dk,
         V=dv,
         BT=CHUNK,
-        PREC=precision,
         UPCAST=upcast,
         **output_meta,
     )
@@ -520,31 +497,14 @@ def recurrent_fwd(
     scale: float,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    inplace: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Fused recurrent form for short inputs (decode). Returns ``o [B, T, H, V]`` fp32 and the final state.
-
-    With ``inplace`` the final state is written over ``initial_state`` (which must then be a contiguous
-    fp32 tensor on the inputs' device) and that tensor is returned as the final state.
-    """
-    if inplace:
-        if initial_state is None:
-            raise ValueError("inplace needs an initial_state to update")
-        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("inplace needs a contiguous fp32 initial_state")
-        if initial_state.device != q.device:
-            raise ValueError("inplace needs initial_state on the device of q")
+    """Fused recurrent form for short inputs (decode). Returns ``o [B, T, H, V]`` fp32 and the final state (``None``
+    unless asked)."""
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     o = torch.empty(b, t, h, dv, dtype=torch.float32, device=q.device)
-    store = output_final_state or inplace
-    if inplace:
-        ht = initial_state
-    elif store:
-        ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device)
-    else:
-        ht = None
+    ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
     bk = max(16, next_power_of_2(dk))
     bv = _recurrent_block_v(b * h, dv)
     grid = (cdiv(dv, bv), b * h)
@@ -573,7 +533,7 @@ def recurrent_fwd(
         BK=bk,
         BV=bv,
         USE_H0=h0 is not None,
-        STORE_HT=store,
+        STORE_HT=ht is not None,
         num_warps=4,
     )
-    return o, (ht if output_final_state or inplace else None)
+    return o, ht

@@ -2,23 +2,20 @@
 search of one group (every candidate scored in registers, the weights read once).
 
 ``gptq_columns`` and ``best_scale`` dispatch between the Triton kernels (``triton_kernels``, imported on first
-use) and the PyTorch references (``reference``). The sweep computes the same bits on both; the search sums the
-squared errors in another order, so rows whose best candidates tie to the last bits may pick a neighbour.
+use) and the PyTorch references (``reference``) by ``backend`` as ``salaquant.kernels.backend.use_triton`` decides
+it, ``"auto"`` taking Triton for float32 CUDA blocks up to 256 columns wide. The sweep computes the same bits on
+both; the search sums the squared errors in another order, so rows whose best candidates tie to the last bits may
+pick a neighbour.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..backend import BACKENDS, use_triton
 from .reference import best_scale_reference, gptq_columns_reference
 
 __all__ = ["BACKENDS", "best_scale", "best_scale_reference", "gptq_columns", "gptq_columns_reference"]
-
-BACKENDS = ("auto", "triton", "reference")
-"""``auto``: Triton for float32 CUDA blocks up to 256 columns wide, the reference otherwise. ``triton``: always
-the kernel (CPU tensors only under TRITON_INTERPRET=1). ``reference``: plain PyTorch."""
 
 MAX_COLUMNS = 256
 """Widest block the column-sweep kernel takes (its tile lives in registers); ``auto`` uses the reference beyond."""
@@ -26,20 +23,13 @@ MAX_SEARCH_COLUMNS = 256
 """Widest group the scale-search kernel takes; ``auto`` uses the reference beyond."""
 
 
-def _backend(backend: str, w: torch.Tensor, max_columns: int) -> str:
-    """The backend that runs on ``w [R, n]``: ``auto`` takes Triton for float32 CUDA tensors at most
-    ``max_columns`` wide; an explicit ``triton`` is checked to be able to run."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        fits = w.is_cuda and w.dtype == torch.float32 and w.shape[1] <= max_columns
-        return "triton" if fits else "reference"
-    if backend == "triton":
-        if not w.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
-        if w.dtype != torch.float32:
-            raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
-    return backend
+def _use_triton(backend: str, w: torch.Tensor, max_columns: int) -> bool:
+    """Whether the Triton kernel runs on ``w [R, n]``: ``auto`` takes it for float32 tensors at most ``max_columns``
+    wide; an explicit ``triton`` must get float32."""
+    triton = use_triton(backend, w, fits=w.dtype == torch.float32 and w.shape[1] <= max_columns)
+    if triton and w.dtype != torch.float32:
+        raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
+    return triton
 
 
 def _check(w1: torch.Tensor, codes: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, hinv1: torch.Tensor) -> None:
@@ -70,7 +60,7 @@ def gptq_columns(
     """Quantize columns ``start .. stop - 1`` of the block ``w1 [R, C]`` in order, in place (see
     ``reference.gptq_columns_reference`` for the exact arithmetic)."""
     _check(w1, codes, err, scale, hinv1)
-    if _backend(backend, w1, MAX_COLUMNS) == "reference":
+    if not _use_triton(backend, w1, MAX_COLUMNS):
         gptq_columns_reference(w1, codes, err, scale, hinv1, start, stop, zero, maxq)
         return
     for t in (w1, codes, err, hinv1, scale):
@@ -93,7 +83,7 @@ def best_scale(w: torch.Tensor, candidates: torch.Tensor, zero: int, maxq: int, 
             f"w {tuple(w.shape)} and candidates {tuple(candidates.shape)} {candidates.dtype}: expected [R, n] and "
             f"[k, R] of w's dtype {w.dtype}"
         )
-    if _backend(backend, w, MAX_SEARCH_COLUMNS) == "reference":
+    if not _use_triton(backend, w, MAX_SEARCH_COLUMNS):
         return best_scale_reference(w, candidates, zero, maxq, SEARCH_BATCH_ELEMENTS)
     from .triton_kernels import best_scale_triton
 

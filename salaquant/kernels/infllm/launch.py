@@ -7,18 +7,17 @@ import torch
 from ..device import pdl_launch
 from ..host import next_power_of_2
 
-__all__ = ["LOG2E", "USE_PDL", "check_heads", "pdl_args", "pow2"]
+__all__ = ["LOG2E", "check_heads", "pdl_args", "pow2"]
 
 LOG2E = 1.4426950408889634
-USE_PDL = True
-"""Launch each kernel that reads an earlier one's output with programmatic dependent launch on Hopper and newer
-GPUs: it is scheduled while its predecessor runs (which signals at its start) and waits (``griddepcontrol.wait``)
-before its first global access, so the launch latency between the kernels of a decode step overlaps."""
 
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
-    """``PDL`` and ``launch_pdl`` launch arguments: on where ``USE_PDL`` is set and the GPU is sm_90 or newer."""
-    return pdl_launch(device, USE_PDL)
+    """``PDL`` and ``launch_pdl`` launch arguments (``pdl_launch``): every kernel that reads an earlier one's output
+    starts by programmatic dependent launch where the GPU has it (Hopper and newer). It is scheduled while its
+    predecessor runs (which signals at its start) and waits (``griddepcontrol.wait``) before its first global access,
+    so the launch latency between the kernels of a decode step overlaps."""
+    return pdl_launch(device, True)
 
 
 def pow2(x: int, floor: int = 16) -> int:

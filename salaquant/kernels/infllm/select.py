@@ -8,61 +8,14 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from salaquant.model.sparse_attention import SparseParams
-
 from ..host import cdiv
 from .launch import pdl_args, pow2
 
-__all__ = ["FEW_ROWS", "SELECT_INTERPOLATE", "SELECT_RADIX", "interpolated_kth", "pool_select", "radix_kth"]
-
-SELECT_RADIX = 0
-"""Bits of the k-th pooled score ``pool_select`` finds per pass when it does not interpolate: 0 for the bit search
-(one count per bit, ending once a count lands on k), or a radix select's digit width (a histogram per pass; slower
-on an H200 at 4, 8 and 11 bits, ``benchmarks/infllm_select_anatomy.py``)."""
-
-SELECT_INTERPOLATE = True
-"""Find the k-th pooled score by a safeguarded interpolation search (``interpolated_kth``) rather than the bit
-search (``SELECT_RADIX = 0``); either gives the same blocks. On an H200 the 128K decode step took 30.7 us per
-replay of its CUDA graph and 25.3 back to back with it, against 32.6 and 27.1 with the bit search in the same run
-(``benchmarks/infllm_decode.py``); the selection alone, 10.4 against 11.5 us back to back."""
+__all__ = ["FEW_ROWS", "interpolated_kth", "pool_select"]
 
 FEW_ROWS = 128
-"""Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4: decode's two
-rows at 128K context took 15.7 against 19.2 us per replay of a CUDA graph of the launch on an H200 (16 warps:
-15.5)."""
-
-
-@triton.jit
-def _sum_and_min(a_sum, a_min, b_sum, b_min):
-    return a_sum + b_sum, tl.minimum(a_min, b_min)
-
-
-@triton.jit
-def radix_kth(ordered, in_range, k_sel, RADIX: tl.constexpr):
-    """The ``k_sel``-th largest of the int32 images ``ordered`` (where ``in_range``), ``RADIX`` bits per pass from
-    the top: a histogram of the pass's digit over the images that share the digits found so far, a reverse
-    cumulative sum (how many have each digit or a larger one), and one reduction that finds the digit holding the
-    k-th and how many of those images lie above it."""
-    NBINS: tl.constexpr = 1 << RADIX
-    PASSES: tl.constexpr = (32 + RADIX - 1) // RADIX
-    u = (ordered ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order = signed order of the images
-    live = in_range
-    need = k_sel  # how many of the live images are still to be taken
-    v_u = tl.zeros([], tl.uint32)
-    for p in tl.static_range(PASSES):
-        shift = 32 - (p + 1) * RADIX if (p + 1) * RADIX < 32 else 0
-        width = RADIX if (p + 1) * RADIX <= 32 else 32 - p * RADIX
-        digit = ((u >> shift) & ((1 << width) - 1)).to(tl.int32)
-        hist = tl.histogram(digit, NBINS, mask=live)
-        ge = tl.cumsum(hist, 0, reverse=True)  # live images whose digit is >= d
-        sat = ge >= need  # d <= d*, the digit of the k-th
-        # count(d <= d*) and, as the images above a digit only shrink with it, count(digit > d*)
-        n_sat, gt_star = tl.reduce((sat.to(tl.int32), tl.where(sat, ge - hist, 2147483647)), 0, _sum_and_min)
-        d_star = n_sat - 1
-        need = need - gt_star  # the live images with a larger digit are all taken
-        live = live & (digit == d_star)
-        v_u = v_u | (d_star.to(tl.uint32) << shift)
-    return v_u.to(tl.int32, bitcast=True) ^ -2147483648
+"""Below this many (batch * KV head, query) rows, ``pool_select`` runs 8 warps per row instead of 4, the faster for a
+decode step's few rows (``docs/kernels.md``)."""
 
 
 @triton.jit
@@ -96,11 +49,10 @@ def interpolated_kth(ordered, in_range, forced, n_blocks, k_sel):
     ``k + 1/2`` plus and minus a margin (``INTERP_MARGIN``), so that the bracket closes in from both sides (at its
     thirds instead after a step that did not halve it), in one sum of 16-bit fields for rows under 65,536 blocks,
     and the smallest and largest image inside the bracket, to which it then shrinks (no count changes), so that a
-    tie at the k-th score ends the search once it is all the bracket holds. (Three plain reductions a step, which
-    Triton builds on the warps' own reduce instructions, ran 0.4 us faster per decode step on an H200 than one
-    reduction of the four values as a tuple.) It ends when a count lands on ``k`` or the bracket holds one image
-    (``lo``, the k-th largest): 6 to 10 steps on decode rows at 128K context against 19 to 32 counts for the bit
-    search (``benchmarks/select_steps.py``)."""
+    tie at the k-th score ends the search once it is all the bracket holds. The four values of a step are three
+    plain reductions, which Triton builds on the warps' own reduce instructions. It ends when a count lands on ``k``
+    or the bracket holds one image (``lo``, the k-th largest): a few steps on smooth scores, where a bit-by-bit
+    search makes up to 32 dependent counts."""
     PACKED: tl.constexpr = ordered.shape[0] < 65536
     big = tl.full(ordered.shape, 2147483647, tl.int32)
     small = tl.full(ordered.shape, -2147483648, tl.int32)
@@ -184,24 +136,14 @@ def _pool_select_kernel(
     LOCAL_BLOCKS: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     PDL: tl.constexpr,
-    RADIX: tl.constexpr,
-    INTERP: tl.constexpr,
 ):
     """Block max-pooling, forced blocks and top-k of one (batch * KV head, query) row, in one program.
 
-    Each pooled score becomes its order-preserving int32 image. A search over that integer range finds ``v``,
-    the ``k``-th largest image (or a threshold with exactly ``k`` images at or above it): by interpolation
-    (``INTERP``, ``interpolated_kth``), or one bit per step in up to 32 dependent counts over the row (int32
-    throughout); the blocks above ``v`` are chosen, then blocks equal to ``v`` in ascending order until there are
-    ``k`` (equal scores: lower block first). No sort. On an H200 a decode row at 128K context took 9.6 us with all
-    32 counts of the bit search (5.9 of it, about 0.19 us each; ``benchmarks/infllm_select_anatomy.py``) and 8.9 us
-    ending early after 25 on uniform random scores. Slower or no faster than the bit search there: 2 or 4 bits per
-    step from 3 or 15 counts made as separate sums (16.9 and 19.1 against 14.8 us per row, one launch replayed from
-    a graph), 2 bits from 3 counts packed into one sum of two int32 (11.8 against 11.6 us, back-to-back replays), 4
-    bits from 16 counts in 16-bit fields of four int64 sums (15.3 against 9.8 us in the decode step), ``tl.topk``'s
-    bitonic network (16.4 against 11.7 us, back-to-back replays), and a ternary search making two counts per sum in
-    16-bit fields of one int32 (21 steps of 0.27 us: 9.4 against 9.6 us for the row). The chosen blocks are written
-    in ascending order (future ones as -1).
+    Each pooled score becomes its order-preserving int32 image. ``interpolated_kth`` finds ``v``, the ``k``-th
+    largest image (or a threshold with exactly ``k`` images at or above it); the blocks above ``v`` are chosen, then
+    blocks equal to ``v`` in ascending order until there are ``k`` (equal scores: lower block first). No sort: a
+    decode row is one program on one SM, so the selection is a chain of reductions whose count decides its time.
+    The chosen blocks are written in ascending order (future ones as -1).
     """
     if PDL:
         gdc_launch_dependents()
@@ -226,26 +168,7 @@ def _pool_select_kernel(
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as signed integers
     # blocks past n_blocks take INT32_MIN (no float's image), below every candidate tried: never counted
     ordered = tl.where(in_range, ordered, -2147483648)
-    # v = the largest image with count(ordered >= v) >= k, built from its top bit down: a step tries v + 2^(31-step)
-    # (the lower bits of v are still zero, so the sum never carries; int32 wraps at step 0, INT32_MIN + 2^31 = 0)
-    # and keeps it while its count is >= k. The count at v = INT32_MIN is n_blocks >= k. A count of exactly k ends
-    # the search early: the images >= v are then the top k, ties and all.
-    if INTERP:
-        v, count = interpolated_kth(ordered, in_range, forced, n_blocks, k_sel)
-    elif RADIX > 0:  # RADIX bits per pass from a histogram (radix_kth); ties then go through the scan below
-        v = radix_kth(ordered, in_range, k_sel, RADIX)
-        count = -1
-    else:
-        v = tl.full([], -2147483648, tl.int32)
-        one = tl.full([], 1, tl.int32)
-        step = 0
-        count = n_blocks
-        while (step < 32) & (count != k_sel):
-            cand = v + (one << (31 - step))
-            n_ge = tl.sum((ordered >= cand).to(tl.int32), 0)
-            v = tl.where(n_ge >= k_sel, cand, v)
-            count = tl.where(n_ge >= k_sel, n_ge, count)
-            step += 1
+    v, count = interpolated_kth(ordered, in_range, forced, n_blocks, k_sel)
     above = (ordered > v) & in_range
     tied = (ordered == v) & in_range
     if count == k_sel:  # every block equal to v is chosen: no tie to break
@@ -262,32 +185,25 @@ def pool_select(
     scores: Tensor,
     q_start: int,
     tk: int,
-    params: SparseParams,
+    block_size: int,
+    kernel_stride: int,
+    init_blocks: int,
+    local_blocks: int,
+    n_select: int,
     *,
     out: Tensor | None = None,
-    num_warps: int | None = None,
-    radix: int | None = None,
-    interpolate: bool | None = None,
 ) -> Tensor:
-    """Chosen blocks ``[B, Hkv, Tq, min(total_topk, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]``.
+    """Chosen blocks ``[B, Hkv, Tq, min(n_select, n_blocks)]`` int32 from stage-1 scores ``[B, Hkv, Tq, n1]`` over
+    ``tk`` keys in blocks of ``block_size`` (K1 windows of stride ``kernel_stride``: ``block_size // kernel_stride``
+    windows per block), the first ``init_blocks`` blocks and the ``local_blocks`` before each query's own forced.
 
-    Same result as the reference ``select_blocks(block_scores(scores, q_start, tk, params), q_start, params)``,
-    one program per (query, batch * KV head). The k-th pooled score comes from ``interpolated_kth`` (``interpolate``,
-    default ``SELECT_INTERPOLATE``, unless a ``radix`` is given): a few dependent counts over
-    ``next_power_of_2(n_blocks)`` pooled scores on smooth scores; otherwise from the bit search (``radix`` 0, the
-    default ``SELECT_RADIX``: up to 32 counts, fewer when one lands on ``k`` exactly) or a radix select (``radix``
-    1 to 16: ``ceil(32 / radix)`` passes of a ``2**radix``-bin histogram each).
-    ``num_warps`` defaults to 8 when the rows are too few to fill the GPU (decode), else 4. ``out`` (int32, that
-    shape; a slice along ``Tq`` of a contiguous selection will do) receives the result.
+    Same result as the reference ``select_blocks(block_scores(...))`` (the model package's ``sparse_attention.py``), one
+    program per (query, batch * KV head), 8 warps when the rows are fewer than ``FEW_ROWS`` (decode), else 4.
+    ``out`` (int32, that shape; a slice along ``Tq`` of a contiguous selection will do) receives the result.
     """
-    if interpolate is None:
-        interpolate = SELECT_INTERPOLATE and radix is None
-    radix = SELECT_RADIX if radix is None else radix
-    if not 0 <= radix <= 16:
-        raise ValueError(f"radix must be 0 (the bit search) or 1 to 16 bits per pass, got {radix}")
     b, hkv, tq, n1 = scores.shape
-    n_blocks = cdiv(tk, params.block_size)
-    k_sel = min(params.total_topk, n_blocks)
+    n_blocks = cdiv(tk, block_size)
+    k_sel = min(n_select, n_blocks)
     shape = (b, hkv, tq, k_sel)
     if out is None:
         idx = torch.empty(shape, dtype=torch.int32, device=scores.device)
@@ -312,14 +228,12 @@ def pool_select(
         q_start,
         *flat.stride(),
         *rows.stride(),
-        R=params.pool_ratio,
-        BLOCK_SIZE=params.block_size,
-        INIT_BLOCKS=params.init_blocks,
-        LOCAL_BLOCKS=params.local_blocks,
+        R=block_size // kernel_stride,
+        BLOCK_SIZE=block_size,
+        INIT_BLOCKS=init_blocks,
+        LOCAL_BLOCKS=local_blocks,
         BLOCK_NB=pow2(n_blocks),
-        RADIX=radix,
-        INTERP=bool(interpolate),
-        num_warps=num_warps if num_warps is not None else (8 if b * hkv * tq < FEW_ROWS else 4),
+        num_warps=8 if b * hkv * tq < FEW_ROWS else 4,
         **pdl_args(scores.device),
     )
     return idx

@@ -20,15 +20,15 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from salaquant.model.sparse_attention import SparseParams
-
 from ..host import cdiv
 from .launch import LOG2E, check_heads, pdl_args, pow2
 
-__all__ = ["LSE_PARTS_PER_LOAD", "stage1_scores"]
+__all__ = ["BLOCK_ROWS", "LSE_PARTS_PER_LOAD", "stage1_scores"]
 
 LSE_PARTS_PER_LOAD = 64
 """Most partial K2 log-sum-exps the stage-1 scoring kernel loads in one round (a ``[parts, rows]`` fp32 tile)."""
+BLOCK_ROWS = 128
+"""(token, head) rows of a query tile (whole tokens; fewer when there are fewer queries), 8 warps a program."""
 
 
 @triton.jit
@@ -285,25 +285,24 @@ def stage1_scores(
     k1: Tensor,
     k2: Tensor,
     q_start: int,
-    params: SparseParams,
-    query_chunk: int = 512,
+    kernel_size: int,
+    kernel_stride: int,
+    kernel_size2: int,
+    kernel_stride2: int,
     *,
     out: Tensor | None = None,
     num_splits: int | None = None,
-    block_rows: int = 128,
     block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
 ) -> Tensor:
-    """Stage-1 scores ``[B, Hkv, Tq, n1]`` (fp32), same definition as the reference ``stage1_scores``.
+    """Stage-1 scores ``[B, Hkv, Tq, n1]`` (fp32) of the queries at ``q_start ..`` over the K1 windows
+    ``(kernel_size, kernel_stride)``, normalised over the K2 windows ``(kernel_size2, kernel_stride2)``: the
+    definition of the reference ``stage1_scores`` (the model package's ``sparse_attention.py``).
 
-    ``query_chunk`` is accepted for signature parity and unused. ``out`` (fp32, that shape) receives the
-    result when given. ``block_rows`` is the number of (token, head) rows per program (whole tokens).
-    ``num_splits`` splits the K1 windows of every query tile over that many programs (default: more than
-    one only when there are few query tiles, as in decode); the K2 log-sum-exp then runs as a separate
-    split kernel whose partials the scoring kernel merges.
+    ``out`` (fp32, that shape) receives the result when given. ``num_splits`` splits the K1 windows of every query
+    tile over that many programs (default: more than one only when there are few query tiles, as in decode); the K2
+    log-sum-exp then runs as a separate split kernel whose partials the scoring kernel merges. ``block_n``: K1 / K2
+    windows per step.
     """
-    del query_chunk
     b, tq, hq, d = q.shape
     hkv, n1, n2 = k1.shape[2], k1.shape[1], k2.shape[1]
     g = check_heads(hq, hkv)
@@ -320,7 +319,7 @@ def stage1_scores(
     block_g = pow2(g, floor=1)
     min_m = pow2(16 // block_g, floor=1)  # >= 16 rows for tl.dot
     # no more token rows than there are queries (decode: one token, its G heads), else the tile computes padding
-    block_m = max(min(pow2(block_rows, floor=1) // block_g, pow2(tq, floor=1)), min_m)
+    block_m = max(min(BLOCK_ROWS // block_g, pow2(tq, floor=1)), min_m)
     block_n = pow2(block_n)
     block_d = pow2(d)
     n_tiles = cdiv(tq, block_m)
@@ -331,14 +330,14 @@ def stage1_scores(
     splits1 = cdiv(n1, split1)
     consts = {
         "G": g,
-        "KERNEL2": params.kernel_size2,
-        "STRIDE2": params.kernel_stride2,
+        "KERNEL2": kernel_size2,
+        "STRIDE2": kernel_stride2,
         "BLOCK_M": block_m,
         "BLOCK_G": block_g,
         "BLOCK_N": block_n,
         "BLOCK_D": block_d,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
+        "num_warps": 8,
+        "num_stages": 2,
     }
     qk_scale = LOG2E / math.sqrt(d)
     lse_in = splits1 > 1 and n2 > 0
@@ -371,8 +370,8 @@ def stage1_scores(
         *k2.stride(),
         *out.stride(),
         qk_scale,
-        KERNEL1=params.kernel_size,
-        STRIDE1=params.kernel_stride,
+        KERNEL1=kernel_size,
+        STRIDE1=kernel_stride,
         LSE_IN=lse_in,
         BLOCK_P=min(pow2(splits2, floor=1), LSE_PARTS_PER_LOAD),
         **pdl,

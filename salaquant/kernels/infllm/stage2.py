@@ -6,6 +6,9 @@
   online softmax. Key rows are clamped into ``[0, t]`` instead of masking the loads (the masked scores
   make the clamped rows harmless), so the loads pipeline. When there are few (token, head) rows (decode)
   the selected blocks are split over several programs whose partial results a second kernel merges.
+- With ``forced``, a sliding-window kernel first attends each row's forced blocks (the init blocks and the local
+  window) over tiles of consecutive queries, which share those keys, and the block kernel starts its online softmax
+  from that result over the other selected blocks only.
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from salaquant.model.sparse_attention import SparseParams, forced_blocks
 
 from ..host import cdiv
 from .launch import LOG2E, check_heads, pdl_args, pow2
@@ -338,49 +339,33 @@ def _default_splits(rows: int, n_sel: int) -> int:
     return max(1, min(cdiv(512, rows), cdiv(n_sel, 2)))
 
 
-def _without_forced(block_idx: Tensor, q_start: int, params: SparseParams) -> Tensor:
-    """``block_idx`` without each row's forced blocks, the rest first (descending), trimmed to the longest row;
-    rows with nothing left keep one -1."""
-    tq = block_idx.shape[2]
-    qb = ((q_start + torch.arange(tq, device=block_idx.device)) // params.block_size).view(1, 1, tq, 1)
-    blk = block_idx.long()
-    rest = torch.where(forced_blocks(blk, qb, params), -1, blk).sort(dim=-1, descending=True).values
-    keep = max(1, int((rest >= 0).sum(dim=-1).max())) if rest.numel() else 1
-    return rest[..., :keep].to(torch.int32).contiguous()
-
-
 def block_sparse_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     block_idx: Tensor,
     q_start: int,
-    params: SparseParams,
-    query_chunk: int = 256,
+    block_size: int,
     *,
     out: Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    local_dense: bool = False,
+    forced: tuple[int, int] | None = None,
     local_block_m: int = 64,
 ) -> Tensor:
-    """Attention over the selected key blocks, ``[B, Tq, Hq, D]`` in ``q.dtype``.
+    """Attention of the queries at ``q_start ..`` over their selected key blocks of ``block_size`` keys,
+    ``[B, Tq, Hq, D]`` in ``q.dtype``: the definition of the reference ``block_sparse_attention`` of
+    the model package's ``sparse_attention.py``.
 
-    Same definition as the reference ``block_sparse_attention``; ``block_idx: [B, Hkv, Tq, S]`` (any
-    integer dtype) must hold unique indices per row. ``query_chunk`` is accepted for signature parity and
-    unused. ``num_splits`` splits the ``S`` selected blocks over that many programs per row (default:
-    chosen from the number of rows). Each block is read in key tiles of ``min(block_n, block_size)``
-    (rounded up to a power of two, at least 16).
+    ``block_idx: [B, Hkv, Tq, S]`` (any integer dtype) must hold unique indices per row. ``num_splits`` splits the
+    ``S`` selected blocks over that many programs per row (default: chosen from the number of rows). Each block is
+    read in key tiles of ``min(block_n, block_size)`` (rounded up to a power of two, at least 16).
 
-    ``local_dense`` attends each row's forced blocks (init blocks and local window, which every row of
-    ``select_blocks`` holds whenever ``params.keeps_forced_blocks``) with a sliding-window
-    kernel over tiles of ``local_block_m`` queries, which read those keys once per tile instead of once per
-    query, then the remaining selected blocks per row as usual. ``block_idx`` must then contain every forced
-    block of its row, as the selection produces; the result is the same attention. Not with splits.
+    ``forced = (init_blocks, local_blocks)`` attends each row's forced blocks (the first ``init_blocks`` and the
+    ``local_blocks`` before the query's own, which it includes) with the sliding-window kernel over tiles of
+    ``local_block_m`` queries, which read those keys once per tile instead of once per query; ``block_idx`` then
+    holds the row's other selected blocks only (``-1`` padded). Not with splits.
     """
-    del query_chunk
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = check_heads(hq, hkv)
@@ -399,12 +384,12 @@ def block_sparse_attention(
     if b * tq * hq == 0:
         return out
     block_g, block_d = pow2(g), pow2(d)
-    local_o = local_lse = out  # unused unless local_dense
-    if local_dense:
+    local_o = local_lse = out  # unused unless forced
+    if forced is not None:
         if num_splits not in (None, 1):
-            raise ValueError("local_dense runs without splits")
+            raise ValueError("the forced blocks' kernel runs without splits")
         num_splits = 1
-        block_idx = _without_forced(block_idx, q_start, params)
+        init_blocks, local_blocks = forced
         local_o = torch.empty(b, tq, hq, block_d, dtype=torch.float32, device=q.device)
         local_lse = torch.empty(b, hq, tq, dtype=torch.float32, device=q.device)
         block_m = pow2(local_block_m)
@@ -423,14 +408,14 @@ def block_sparse_attention(
             *v.stride(),
             LOG2E / math.sqrt(d),
             G=g,
-            BLOCK_SIZE=params.block_size,
-            INIT_BLOCKS=params.init_blocks,
-            LOCAL_BLOCKS=params.local_blocks,
+            BLOCK_SIZE=block_size,
+            INIT_BLOCKS=init_blocks,
+            LOCAL_BLOCKS=local_blocks,
             BLOCK_M=block_m,
-            BLOCK_N=min(pow2(block_n), pow2(params.block_size)),
+            BLOCK_N=min(pow2(block_n), pow2(block_size)),
             BLOCK_D=block_d,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            num_warps=4,
+            num_stages=2,
         )
     n_sel = block_idx.shape[3]
     splits = _default_splits(b * hkv * tq, n_sel) if num_splits is None else max(1, num_splits)
@@ -466,15 +451,15 @@ def block_sparse_attention(
         *out.stride(),
         LOG2E / math.sqrt(d),
         G=g,
-        BLOCK_SIZE=params.block_size,
+        BLOCK_SIZE=block_size,
         BLOCK_G=block_g,
-        BLOCK_N=min(pow2(block_n), pow2(params.block_size)),
+        BLOCK_N=min(pow2(block_n), pow2(block_size)),
         BLOCK_D=block_d,
         EVEN_D=block_d == d,
         SPLIT=split,
-        LOCAL_DONE=local_dense,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        LOCAL_DONE=forced is not None,
+        num_warps=4,
+        num_stages=2,
         **pdl_args(q.device),
     )
     if split:

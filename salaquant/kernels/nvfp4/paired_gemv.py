@@ -10,8 +10,7 @@ widened to fp32, added, and multiplied by the block scale in fp32 into the accum
 per block). The scale enters as its bits: an E4M3 byte's sign to bit 31 and its seven other bits to bits 20-26
 read exactly as ``scale * 2**-120`` (subnormal scales as fp32 subnormals, exact), so decoding it takes integer
 operations only; ``2**120``, ``2**14`` and the global scale are applied at the end: 42 instructions per block for
-the math, and 924 per 256 weights (3.6 per weight) for the whole sm_90 main loop of a 128 x 256 tile, with 128
-registers (``benchmarks/sass_report.py``; the per-word scaling it replaced: 1145, 4.5 per weight, 168 registers).
+the math, the block scale applied once per 16 inputs in fp32 rather than to every weight pair.
 
 Raw ``e2m1 * 2**-14`` codes make fp16 products of activations below 1 subnormal, so every program prescales its
 activations: it reads its K slice's largest magnitude first and runs on the activations times ``2**-s``, the
@@ -21,8 +20,8 @@ and products stay normal down to activations ``2**-13`` times the slice's larges
 
 Layout: a program owns ``BLOCK_N`` output rows and a run of K tiles of ``BLOCK_B`` blocks; each thread holds
 several rows of the same blocks, so that the activation pairs it builds serve all of them. ``PREFETCH`` requests
-the next tile's words and scales before this one's math (more registers, fewer programs per SM: faster for small
-tiles, slower for large ones on an H200).
+the next tile's words and scales before this one's math (more registers, so fewer programs per SM: worth it for
+small tiles).
 
 Numerics: the activation times ``2**-s`` is rounded to fp16 once (exact for bf16 and fp16 values between
 ``2**-14`` and ``2**15`` after scaling, so within ``2**-28`` of the slice's largest); each block's two 8-term sums
@@ -39,7 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..paired_f16 import RANGE_CHUNK, dot_ptx, emulated_fma2, f16_pair_shifted, half, halves, i32, max_exponent, pow2
-from .split_k import finish, k_range
+from ..split_k import finish_split_k, k_slice
 
 __all__ = [
     "E2M1_CODES_PTX",
@@ -225,10 +224,9 @@ def nvfp4_paired_gemv_kernel(
     loading its first tile), and lets the next kernel launch after its main loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    split_k = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    k_first, k_last = k_range(pid_k, split_k, K, BLOCK_B * 16)
+    k_first, k_last = k_slice(K, BLOCK_B * 16)
     first = tl.minimum(k_first, k_last - 1)  # (an empty split, k_first >= k_last, loads the last tile, unused)
     if PREFETCH and PDL:  # the weights are no earlier kernel's output; the activations and the workspace may be
         w, s = _load_tile(w_ptr, s_ptr, offs_n, n_ok, first, K, BLOCK_B, EVEN)
@@ -259,4 +257,8 @@ def nvfp4_paired_gemv_kernel(
         gdc_launch_dependents()
     y = tl.sum(acc, axis=1) * _SCALE_BIAS * pow2(shift)
     gscale = tl.load(gs_ptr) * OUT_SHIFT
-    finish(y, gscale, out_ptr + offs_n, ws_ptr + offs_n, n_ok, cnt_ptr, pid_n, pid_k, N, split_k, SPLIT)
+    if SPLIT:
+        tl.store(ws_ptr + pid_k * N + offs_n, y, mask=n_ok)
+        finish_split_k(out_ptr, ws_ptr, cnt_ptr, 0, offs_n, 1, N, N, pid_n, gscale)
+    else:
+        tl.store(out_ptr + offs_n, (y * gscale).to(out_ptr.dtype.element_ty), mask=n_ok)

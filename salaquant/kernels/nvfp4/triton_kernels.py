@@ -7,11 +7,10 @@ Kernels:
   (M <= 16); with larger tiles the prefill path.
 * ``nvfp4_paired_gemv_kernel`` (``paired_gemv``): split-K GEMV on paired fp16 arithmetic, the default for one
   fp16/bf16 activation row (``PAIRED_TILE``, ``PAIRED_TUNED``).
-* ``mma_rows_kernel`` (``../mma_rows.py``, ``nvfp4_mma_rows``): ``mma.sync`` from registers for 1 to 16 fp16/bf16
-  rows, the default for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
-* ``_nvfp4_gemv_kernel``: CUDA-core split-K GEMV, one activation row per program (used for M <= GEMV_MAX_M,
-  0 by default, or when a config asks for it).
-* ``_nvfp4_dequant_kernel``: the ``[N, K]`` weight in the activation dtype, for ``F.linear`` at large M.
+* ``mma_rows_kernel`` (``../mma_rows.py``, ``NVFP4Config("rows")``): ``mma.sync`` from registers for 1 to 8
+  fp16/bf16 rows, the default for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
+* ``_nvfp4_dequant_kernel``: the ``[N, K]`` weight in the activation dtype, for ``F.linear`` from
+  ``DEQUANT_MIN_M`` rows on (``matmul``).
 
 Decoding (in registers, integer ops only, no lookup table):
 
@@ -34,10 +33,9 @@ register operand, and ``x^T`` is the shared-memory operand whose width (wgmma's 
 M = 1 pads to 16 columns rather than to a 64-row tile. Tiles that divide N and K are compiled without masks
 (EVEN_N / EVEN_K).
 
-Split-K without a reduction launch: every split stores its fp32 partial tile to a workspace, then bumps a
-per-tile counter (acq_rel atomic); the split that arrives last sums the partials in split order (so the result
-does not depend on arrival order), writes the output and resets the counter. The counters live in a cached,
-zero-initialised int32 buffer per device and stream; call once before CUDA-graph capture so that it exists.
+Split-K without a reduction launch (``../split_k.py``): the split that arrives last sums the partials in split
+order and applies the global scale. The counters live in a cached, zero-initialised int32 buffer per device and
+stream; call once before CUDA-graph capture so that it exists.
 
 Offsets are 32-bit: each of ``x``, ``weight``, the output and the split-K workspace must have fewer than
 2**31 elements.
@@ -47,63 +45,54 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..backend import DEQUANT_MIN_M
 from ..counters import arrival_counters
+from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
 from ..device import pdl_launch, resident_programs
 from ..host import cdiv, pair_aligned
 from ..mma_rows import check_launch, mma_rows_kernel
+from ..split_k import finish_split_k, k_slice
 from .paired_gemv import nvfp4_paired_gemv_kernel
 from .reference import check_operands
-from .split_k import finish, k_range
 
 __all__ = [
-    "GEMV_MAX_M",
     "ROWS_MAX_M",
     "ROWS_MIN_N",
     "NVFP4Config",
     "default_config",
+    "matmul",
     "nvfp4_dequantize_triton",
     "nvfp4_matmul_triton",
-    "nvfp4_mma_rows",
 ]
 
-GEMV_MAX_M = 0
-"""Largest M for which ``default_config`` picks the CUDA-core GEMV kernel (0: the tensor-core kernel for every M
-but one fp16/bf16 row, which takes the paired GEMV; its loop compiles to fewer instructions per weight for
-sm_90)."""
-
 ROWS_MAX_M = 2
-"""Largest M (from 2) for which ``default_config`` picks the ``mma.sync`` row kernel (``nvfp4_mma_rows``) for at least
-``ROWS_MIN_N`` outputs. On an H200 at 2 rows it took gate_up 50.8 us against 58.2 for the tensor-core kernel and
-lightning qkv 24.2 against 27.7, down 32.8 against 32.9 (``benchmarks/kernels_nvfp4.py --ms 2,8`` after, and
-``benchmarks/mma_rows.py --formats nvfp4`` before, its range read); at 8 rows, where that read makes one pass per
-row, gate_up 56.9 against 58.5 and down 36.5 against 33.4."""
+"""Largest M (from 2) for which ``default_config`` picks the ``mma.sync`` row kernel (``"rows"``) for at
+least ``ROWS_MIN_N`` outputs: at more rows its range read of the activations makes one pass per row, and the
+tensor-core kernel is as fast."""
 ROWS_MIN_N = 8192
-"""Fewest outputs for which ``default_config`` picks the row kernel (down and o_proj, 4096, gain nothing or lose)."""
+"""Fewest outputs for which ``default_config`` picks the row kernel (down and o_proj, 4096, gain nothing)."""
 
 PAIRED_TILE = (32, 512)
 """``(block_n, block_k)`` of the paired GEMV that ``default_config`` picks for one fp16/bf16 activation row, with 4
-warps and the next K tile prefetched (``PAIRED_PREFETCH``): the fastest of 9 tiles x 5 split counts x prefetch on
-gate_up and lightning qkv and within 1.1 us of it on down and o_proj in ``benchmarks/nvfp4_paired.py --sweep`` on
-an H200 (gate_up 29.6 us at 1 split; the 128 x 256 tile without prefetch 30.3 at its best split; 96 registers,
-against 128 for that tile)."""
+warps and the next K tile prefetched (``PAIRED_PREFETCH``): small tiles keep the registers (and so the programs per
+SM) that the prefetch costs."""
 PAIRED_PREFETCH = True
 PAIRED_PROGRAMS_PER_SM = 4
 """``default_config`` splits K into the most pieces (a power of two) whose programs number at most this many per SM
-(and fit in one wave): in the same sweep that was the fastest split at every shape for ``PAIRED_TILE``."""
+(and fit in one wave)."""
 PAIRED_TUNED: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {
     (9, 16384, 4096): (64, 512, 4, 8, False),
     (9, 4096, 4096): (32, 1024, 4, 1, True),
 }
-"""``(block_n, block_k, warps, split_k, prefetch)`` of the paired GEMV keyed by ``(compute capability major, K, N)``
-where a sweep found a faster launch than the default on an H200: down 17.5-17.6 us against 18.5-18.6, o_proj 6.2
-against 7.2 (1024-input tiles, one split: 128 programs)."""
+"""``(block_n, block_k, warps, split_k, prefetch)`` of the paired GEMV keyed by ``(compute capability major, K, N)``,
+measured on an NVIDIA H200: SALA's down and o_proj, where a sweep found a faster launch than the default."""
 
 _TILE_SHIFT: tl.constexpr = tl.constexpr(2.0**7)
 """The half tile holds ``W / (weight_scale_2 * _TILE_SHIFT)``."""
@@ -248,8 +237,7 @@ def _nvfp4_dot_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    split_k = tl.num_programs(1)
-    k_first, k_last = k_range(pid_k, split_k, K, BLOCK_K)
+    k_first, k_last = k_slice(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(k_first, k_last):
         k0 = kt * BLOCK_K
@@ -268,57 +256,11 @@ def _nvfp4_dot_kernel(
     gscale = tl.load(gs_ptr) * _TILE_SHIFT
     out_mask = (offs_n[:, None] < N) & m_ok[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-    finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, pid, pid_k, M * N, split_k, SPLIT)
-
-
-@triton.jit
-def _nvfp4_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    gs_ptr,
-    out_ptr,
-    ws_ptr,
-    cnt_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_om,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BF16: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """Grid ``(cdiv(N, BLOCK_N), split_k, M)``, SPLIT when split_k > 1. Each program computes ``BLOCK_N`` outputs
-    of one row with fp32 FMAs into a ``[BLOCK_N, BLOCK_K]`` accumulator reduced once at the end."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    split_k = tl.num_programs(1)
-    k_first, k_last = k_range(pid_k, split_k, K, BLOCK_K)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for kt in range(k_first, k_last):
-        k0 = kt * BLOCK_K
-        w = _weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, BLOCK_N, BLOCK_K, BF16, EVEN_N, EVEN_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            xv = tl.load(x_ptr + m * stride_xm + offs_k)
-        else:
-            xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0)
-        acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    acc = tl.sum(acc2, axis=1)
-
-    gscale = tl.load(gs_ptr) * _TILE_SHIFT
-    out_mask = offs_n < N
-    out_ptrs = out_ptr + m * stride_om + offs_n
-    ws_ptrs = ws_ptr + m * N + offs_n
-    tile = m * tl.num_programs(0) + pid_n
-    finish(acc, gscale, out_ptrs, ws_ptrs, out_mask, cnt_ptr, tile, pid_k, M * N, split_k, SPLIT)
+    if SPLIT:  # y^T tiles: the rows of y along axis 1, its columns along axis 0
+        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
+        finish_split_k(out_ptr, ws_ptr, cnt_ptr, offs_m[None, :], offs_n[:, None], M, N, stride_om, pid, gscale)
+    else:
+        tl.store(out_ptrs, (acc * gscale).to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -358,10 +300,10 @@ class NVFP4Config:
     """Launch configuration of ``nvfp4_matmul_triton``."""
 
     kernel: str = "dot"
-    """``"dot"`` (tensor cores, any M), ``"gemv"`` (CUDA cores, one activation row per program), ``"paired"``
-    (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16 activation row) or ``"rows"`` (``mma.sync`` from
-    registers, ``nvfp4_mma_rows``: 1 to 16 fp16/bf16 rows, K a multiple of 128; ``block_n`` = 16 x column tiles per
-    warp x ``num_warps``)."""
+    """``"dot"`` (tensor cores, any M), ``"paired"`` (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16
+    activation row) or ``"rows"`` (``mma.sync`` from registers, ``../mma_rows.py``: 1 to 8 fp16/bf16 rows, bf16 of
+    any magnitude scaled into fp16's range per split where needed, K a multiple of 128; ``block_n`` = 16 x column
+    tiles per warp x ``num_warps``, ``split_k`` in splits of 128 inputs)."""
     block_m: int = 16
     """Activation rows per tile (``"dot"`` only; >= 16)."""
     block_n: int = 64
@@ -374,14 +316,12 @@ class NVFP4Config:
     """Weight tiles swept together across M (``"dot"`` only)."""
     num_warps: int = 4
     num_stages: int = 3
-    maxnreg: int | None = None
-    """Registers per thread the compiler may use (ptxas ``.maxnreg``; ``None``: its own choice)."""
     prefetch: bool = False
     """``"paired"`` only: request the next K tile's words and scales before this one's math."""
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("dot", "gemv", "paired", "rows"):
-            raise ValueError(f"kernel must be 'dot', 'gemv', 'paired' or 'rows', got {self.kernel!r}")
+        if self.kernel not in ("dot", "paired", "rows"):
+            raise ValueError(f"kernel must be 'dot', 'paired' or 'rows', got {self.kernel!r}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -407,10 +347,8 @@ def _pick_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
 
 def _paired_wave(n: int, k: int, bn: int, bk: int, dev: torch.device, dtype: torch.dtype) -> int:
     """Programs of the default paired GEMV launch the device runs at once (4 per SM off the GPU): a split whose
-    programs outnumber them runs a second wave (with the 168-register build of an earlier version, 16 splits of
-    down and o_proj made 512 programs for 396 places: 26.0 and 10.0 us against 23.3 and 7.8 at 8 splits;
-    ``benchmarks/rows_waves.py``)."""
-    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    programs outnumber them would run a second, mostly empty wave."""
+    if dev.type != "cuda" or _INTERPRET:
         return 4 * _programs_target(dev)
     return _paired_resident(n, k, bn, bk, dev, dtype, not _EMULATE_PAIRED)
 
@@ -461,11 +399,10 @@ def default_config(
     2 to ``ROWS_MAX_M`` fp16/bf16 rows of a weight with at least ``ROWS_MIN_N`` outputs (K a multiple of 128): the
     ``mma.sync`` row kernel, ``MMA_ROWS_CONFIG``, split to at most 4 programs per SM.
 
-    Other decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining: the loop compiles (sm_90, triton
-    3.6) to about 5 instructions per weight with 92 registers, so 5 programs share an SM and their loads
-    overlap; split-K up to 4 programs per SM. Prefill: 64-, 128- or 256-row tiles (more rows per dequantized
-    weight tile), 8 warps, 3 stages, split-K up to one program per SM. These are starting points, to be tuned
-    with ``benchmarks/kernels_nvfp4.py --sweep``.
+    Other decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining, so that several programs share
+    an SM and their loads overlap; split-K up to 4 programs per SM. Prefill: 64-, 128- or 256-row tiles (more rows
+    per dequantized weight tile), 8 warps, 3 stages, split-K up to one program per SM (``benchmarks/kernels_nvfp4.py
+    --sweep`` times the alternatives).
     """
     dev = torch.device(device)
     sms = _programs_target(dev)
@@ -475,10 +412,6 @@ def default_config(
         bn = 16 * MMA_ROWS_CONFIG["tiles"] * MMA_ROWS_CONFIG["num_warps"]
         split = _rows_split(n, k, bn, dev)
         return NVFP4Config("rows", block_n=bn, split_k=split, num_warps=MMA_ROWS_CONFIG["num_warps"], num_stages=1)
-    if m <= GEMV_MAX_M:
-        bn, bk = 32, 256
-        split = _pick_split(m * cdiv(n, bn), cdiv(k, bk), 4 * sms, 2)
-        return NVFP4Config("gemv", block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=1)
     if m <= 16:
         bm, bn, bk, warps, stages, target, min_k = 16, 64, 128, 4, 1, 4 * sms, 2
     elif m <= 64:
@@ -494,7 +427,7 @@ def default_config(
 
 def _check_device(t: torch.Tensor) -> None:
     """RuntimeError unless ``t`` is a CUDA tensor or the Triton interpreter is on."""
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not t.is_cuda and not _INTERPRET:
         raise RuntimeError("the Triton NVFP4 kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
@@ -569,20 +502,8 @@ def nvfp4_matmul_triton(
         cnt = arrival_counters(x.device, cdiv(n, cfg.block_n)) if split > 1 else gs
         nvfp4_paired_gemv_kernel[(cdiv(n, cfg.block_n), split)](
             x2, w, s, gs, out2, ws, cnt, n, k, BLOCK_N=cfg.block_n, BLOCK_B=cfg.block_k // 16, SPLIT=split > 1,
-            BF16=bf16, ASM=not _EMULATE_PAIRED and os.environ.get("TRITON_INTERPRET", "0") != "1",
-            EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg, **pdl_launch(x.device, pdl),
-        )  # fmt: skip
-    elif cfg.kernel == "gemv":
-        if m > 65535:
-            raise ValueError(f"the gemv kernel takes at most 65535 rows, got {m}")
-        grid = (cdiv(n, cfg.block_n), split, m)
-        cnt = arrival_counters(x.device, grid[0] * m) if split > 1 else gs
-        _nvfp4_gemv_kernel[grid](
-            x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, BF16=bf16,
-            EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+            BF16=bf16, ASM=not (_INTERPRET or _EMULATE_PAIRED), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device, pdl),
         )  # fmt: skip
     else:
         tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
@@ -591,58 +512,20 @@ def nvfp4_matmul_triton(
             x2, w, s, gs, out2, ws, cnt, m, n, k, x2.stride(0), out2.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, GROUP_N=cfg.group_n,
             BF16=bf16, X_F32=x.dtype == torch.float32, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
 
 
 MMA_ROWS_CONFIG = {"tiles": 2, "num_warps": 4}
-"""``nvfp4_mma_rows`` launch: 4 warps of 2 column tiles of 16 (128 columns per program), 126-128 registers in the
-sm_90 build; the fastest of 5 launches at 2 and 16 rows of down and 16 of gate_up on an H200, within 0.5% at 2 of
-gate_up."""
-
-
-def nvfp4_mma_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_scale_2: torch.Tensor | float,
-    *,
-    out: torch.Tensor | None = None,
-    split_k: int | None = None,
-    tiles: int = MMA_ROWS_CONFIG["tiles"],
-    num_warps: int = MMA_ROWS_CONFIG["num_warps"],
-    emulate: bool = False,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """``y [M <= 16, N] = x @ W^T`` on ``mma.sync`` fed from registers (``../mma_rows.py``): 1 to 16 fp16/bf16
-    rows (bf16 of any magnitude: scaled into fp16's range per split where needed), K a multiple of 128.
-    ``nvfp4_matmul_triton`` takes it for 2 to ``ROWS_MAX_M`` rows of weights with ``ROWS_MIN_N`` outputs or more.
-    ``split_k`` overrides the split count (splits of 128 inputs); ``emulate`` runs the interpreter's emulation of
-    the PTX on a GPU too; ``pdl`` the programmatic dependent launch (``pdl_launch``)."""
-    _check_device(x)
-    n, k, w, s, gs = _prepare(weight, weight_scale, weight_scale_2, x.device)
-    if x.dim() != 2:
-        raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
-    _check_rows(x, k)
-    check_launch(tiles, num_warps)
-    x = pair_aligned(x)
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(m, n)}")
-    if split_k is None:
-        split_k = _rows_split(n, k, 16 * tiles * num_warps, x.device)
-    _launch_rows(x, w, s, gs, out, n, k, split_k, tiles, num_warps, emulate, pdl)
-    return out
+"""The row kernel's default launch: 4 warps of 2 column tiles of 16 (128 columns per program)."""
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:
-    """``ValueError`` unless ``x [M, K]`` is 1 to 16 fp16/bf16 rows and K a multiple of 128 (the row kernel's
-    operands)."""
-    if x.shape[-1] != k or not 1 <= x.shape[0] <= 16 or x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the mma kernel takes 1 to 16 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
+    """``ValueError`` unless ``x [M, K]`` is 1 to 8 fp16/bf16 rows and K a multiple of 128 (the row kernel's
+    operands for NVFP4)."""
+    if x.shape[-1] != k or not 1 <= x.shape[0] <= 8 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the mma kernel takes 1 to 8 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
     if k % 128:
         raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
 
@@ -666,8 +549,8 @@ def _launch_rows(
         ws.fill_(float("nan"))  # a read of an unwritten partial shows in the result
     mma_rows_kernel[(n_tiles, split)](
         x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0),
-        GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=m > 8, FP4=True, BF16=x.dtype == torch.bfloat16,
-        ASM=not emulate and os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=num_warps, num_stages=1,
+        GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=False, FP4=True, BF16=x.dtype == torch.bfloat16,
+        ASM=not (_INTERPRET or emulate), num_warps=num_warps, num_stages=1,
         **pdl_launch(x.device, pdl),
     )  # fmt: skip
 
@@ -697,3 +580,17 @@ def nvfp4_dequantize_triton(
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
     )  # fmt: skip
     return out
+
+
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor | float
+) -> torch.Tensor:
+    """``y [..., N] = x [..., K] @ W^T`` on the path that suits the rows ``M``: the fused kernels
+    (``nvfp4_matmul_triton``) below ``DEQUANT_MIN_M``, the weight dequantized in ``x.dtype`` once and ``F.linear``
+    from there on (compute-bound prefill)."""
+    if x.numel() // max(x.shape[-1], 1) < DEQUANT_MIN_M:
+        return nvfp4_matmul_triton(x, weight, weight_scale, weight_scale_2)
+    k = check_operands(weight, weight_scale, weight_scale_2)[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
+    return F.linear(x, nvfp4_dequantize_triton(weight, weight_scale, weight_scale_2, dtype=x.dtype))

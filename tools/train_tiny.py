@@ -4,7 +4,7 @@ Runs on one GPU (bf16 autocast, fp32 master weights); the minicpm4 layers train 
 Each call trains until ``--minutes`` of wall time or ``--steps`` are reached, saves a resumable state
 (``--state``) and, at the end, the checkpoint in the SALA format (sharded so every file stays small).
 
-  python benchmarks/train_tiny.py --train work_data/corpus/train_tokens.u16.npy \\
+  python tools/train_tiny.py --train work_data/corpus/train_tokens.u16.npy \\
       --heldout work_data/corpus/heldout_tokens.u16.npy --tokenizer work_data/tokenizer \\
       --out OUT --minutes 8
 """
