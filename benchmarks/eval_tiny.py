@@ -13,8 +13,8 @@ import torch
 from transformers import AutoTokenizer
 
 import salaquant.model.hf  # noqa: F401  (AutoTokenizer reads config.json)
+from salaquant.eval.perplexity import encode_stream, perplexity
 from salaquant.model.loading import load_model
-from salaquant.perplexity import encode_stream, perplexity
 
 PROMPTS = ["It is a truth universally acknowledged, that", "The king of Assyria", "Call me Ishmael."]
 

@@ -52,11 +52,11 @@ from rich.table import Table
 from salaquant.calib_data import CalibOptions
 from salaquant.eval.data import SHIPPED_SAMPLE, load_eval_text
 from salaquant.eval.metrics import LogitComparison
+from salaquant.eval.perplexity import windows
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.loading import load_model
-from salaquant.perplexity import windows
 from salaquant.workflow import load_tokenizer
 
 MSE = GPTQLayerOptions(mse=True, smooth_alpha=0.5)

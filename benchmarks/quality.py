@@ -15,7 +15,7 @@ perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreeme
   and where it happened.
 
 Every export is read back by ``salaquant.model.loading.load_model`` (weights dequantized) and scored with
-``salaquant.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
+``salaquant.eval.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
 short samples (seconds; what the tests run).
 
   python benchmarks/quality.py --out OUT [--llmc-venv /tmp/venv-llmc] [--gptqmodel-venv /tmp/venv-gptqmodel]
@@ -39,10 +39,10 @@ from rich.table import Table
 
 from salaquant.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
+from salaquant.eval.perplexity import compare_models, windows
 from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.loading import load_model
 from salaquant.model.tiny import preset_config, write_random_checkpoint
-from salaquant.perplexity import compare_models, windows
 from salaquant.workflow import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

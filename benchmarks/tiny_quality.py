@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from salaquant.calib_data import CalibOptions
+from salaquant.eval.perplexity import compare_models as compare
+from salaquant.eval.perplexity import encode_stream, windows
 from salaquant.model.loading import load_model
-from salaquant.perplexity import compare_models as compare
-from salaquant.perplexity import encode_stream, windows
 from salaquant.workflow import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ from .calib_data import CalibOptions
 from .eval.data import load_eval_text
 from .eval.generation import DEFAULT_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
+from .eval.perplexity import windows
 from .outputs import check_no_overlap, check_writable_folder
-from .perplexity import windows
 from .progress import Phases
 from .workflow import load_tokenizer
 

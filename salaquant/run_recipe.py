@@ -173,9 +173,9 @@ def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto
     from .engine import resolve_device
     from .eval.data import load_eval_text
     from .eval.metrics import compare_windows
+    from .eval.perplexity import windows
     from .eval.thresholds import Thresholds
     from .model.loading import load_model
-    from .perplexity import windows
     from .workflow import load_tokenizer
 
     assert gate.data is not None

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from salaquant.cli import app
 from salaquant.demo import QUICK, SHIPPED_MODEL, DemoError, run_demo
 from salaquant.eval.data import load_eval_text
+from salaquant.eval.perplexity import compare_models, windows
 from salaquant.model.loading import load_model
-from salaquant.perplexity import compare_models, windows
 from salaquant.workflow import load_tokenizer
 
 

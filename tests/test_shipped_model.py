@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from salaquant.eval.perplexity import encode_stream, perplexity
 from salaquant.model.loading import load_model
-from salaquant.perplexity import encode_stream, perplexity
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "sala-tiny"
 # The README's figure: held-out perplexity of the bf16 checkpoint on its first 16 x 1024 held-out tokens,

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from salaquant.eval.perplexity import perplexity
 from salaquant.model.checkpoint import save_state_dict
 from salaquant.model.config import SalaConfig
 from salaquant.model.modeling import SalaForCausalLM, init_weights
 from salaquant.model.tiny import preset_config
-from salaquant.perplexity import perplexity
 
 
 def load_tokens(path: Path) -> torch.Tensor:

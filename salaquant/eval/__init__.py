@@ -3,6 +3,7 @@
 One concept per module:
 
 * ``data``: held-out text (a file, a folder, a dataset or the shipped sample) as one token stream;
+* ``perplexity``: perplexity over fixed-length windows of a token stream;
 * ``metrics``: perplexity of both models, per-token NLL differences, KL(source || quantized), top-1 agreement;
 * ``niah``: synthetic needle-in-a-haystack prompts and exact-match scoring;
 * ``generation``: greedy continuations and their checks (collapse, n-gram loops, NaN/Inf, first divergence);

@@ -22,7 +22,6 @@ from rich.console import Console
 
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
-from ..perplexity import windows as make_windows
 from ..progress import Phases
 from . import generation as gen
 from . import layers as lay
@@ -30,6 +29,7 @@ from . import niah as nh
 from . import report
 from .data import load_eval_text
 from .metrics import compare_windows
+from .perplexity import windows as make_windows
 from .thresholds import Thresholds
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -1,6 +1,6 @@
 """Held-out text for eval, as one token stream: each record's tokens (no BOS) followed by the EOS token.
 
-That is the layout the shipped model was trained and scored on (``salaquant.perplexity.encode_stream``), so
+That is the layout the shipped model was trained and scored on (``salaquant.eval.perplexity.encode_stream``), so
 eval's source perplexity on the shipped model's held-out text equals the figure in the README. Sources are
 read by ``salaquant.calib_data.load_calibration``: JSON Lines, text files, folders, parquet and
 ``hf:NAME[:CONFIG][@SPLIT][#FIELD]`` datasets. Without a source, the shipped sample is used: the first nine
