@@ -532,6 +532,9 @@ def eval_command(
             "--attention-kernels/--no-attention-kernels", help="GLA / sparse attention kernels (default: runtime's)."
         ),
     ] = None,
+    activations: Annotated[
+        str, typer.Option(help="auto (fp4 for NVFP4: W4A4 as Blackwell runs it), fp4 or bf16 (weight-only).")
+    ] = "auto",
     tp: Annotated[int, typer.Option(help="Tensor-parallel size for the format check.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the NIAH filler, keys and values.")] = 0,
     max_ppl_increase: Annotated[str | None, typer.Option(help='Fail above this perplexity increase: "5%" or 0.05.')] = (
@@ -599,6 +602,7 @@ def eval_command(
             device=device,
             backend=backend,
             kernels=attention_kernels,
+            activations=activations,
             tp=tp,
             seed=seed,
         )

@@ -13,8 +13,9 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from salaquant.calib_data import CalibOptions
 from salaquant.cli import app
-from salaquant.eval import EvalOptions, Thresholds, run_eval
+from salaquant.eval import EvalInputError, EvalOptions, Thresholds, run_eval
 from salaquant.eval.command import parse_lengths
 from salaquant.eval.data import SHIPPED_SAMPLE
 from salaquant.eval.generation import collapse, find_loop, first_divergence, greedy, longest_run
@@ -340,3 +341,30 @@ def test_threshold_parsing_and_checks() -> None:
     assert verdicts(0.0501, 0.1001, 0.8999) == [False, False, False]
     assert verdicts(math.nan, math.nan, math.nan) == [False, False, False]
     assert [c["passed"] for c in Thresholds(max_layer_error=0.1).check({})] == [False]  # not measured
+
+
+def test_nvfp4_evaluated_w4a4_by_default(export: Path, tmp_path: Path) -> None:
+    """An NVFP4 export is scored as Blackwell runs it (FP4 activations) unless asked for weight-only; the FP4
+    activations add error on top of the weights'. A GPTQ export is weight-only and refuses fp4."""
+    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.layer import NVFP4LayerOptions
+
+    nvfp4 = run_nvfp4(
+        MODEL,
+        tmp_path / "nvfp4",
+        [CALIB],
+        CalibOptions(max_samples=2, max_len=128),
+        NVFP4LayerOptions(mse_iters=0),
+        NVFP4RunOptions(device="cpu", show_progress=False),
+        QUIET,
+    )
+    fast = {"gen_tokens": 0, "layer_windows": 0}
+    w4a4 = run_eval(nvfp4, MODEL, _opts(**fast), Thresholds(), tmp_path / "a", QUIET)
+    w4a16 = run_eval(nvfp4, MODEL, _opts(activations="bf16", **fast), Thresholds(), tmp_path / "b", QUIET)
+    assert w4a4["quantized"]["activations"] == "fp4" and w4a16["quantized"]["activations"] == "bf16"
+    assert w4a4["perplexity"]["ppl_source"] == w4a16["perplexity"]["ppl_source"]
+    assert w4a4["perplexity"]["kl"] > w4a16["perplexity"]["kl"] > 0
+    with pytest.raises(EvalInputError, match="weight-only"):
+        run_eval(export, MODEL, _opts(activations="fp4", **fast), Thresholds(), tmp_path / "c", QUIET)
+    with pytest.raises(EvalInputError, match="--activations"):
+        run_eval(export, MODEL, _opts(activations="int8", **fast), Thresholds(), tmp_path / "d", QUIET)

@@ -21,6 +21,7 @@ from salaquant.formats.modelopt_nvfp4.numerics import (
     global_scale,
     input_scale,
     pack_nibbles,
+    quantize_activations,
     quantize_nvfp4,
     unpack_nibbles,
 )
@@ -135,6 +136,64 @@ def test_scales_and_codes_match_modelopt_helpers(mo: Any) -> None:
     x = torch.cat([mids, -mids, torch.randn(4096, generator=g) * 4, torch.tensor([0.0, -0.0, 6.0, 7.0, 1e30])])
     x = torch.cat([x, torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 9.0))])
     assert torch.equal(e2m1_codes(x), mo._cast_fp4(x.clone()))
+
+
+def _modelopt_activations(mo: Any, x: torch.Tensor, s_in: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 quantization of activations ``x [..., in]`` against the static ``input_scale`` (its
+    per-tensor scale), dequantized in fp32."""
+    flat = x.reshape(-1, x.shape[-1]).clone()
+    q, scale, s2 = mo.quantize(flat, BLOCK, weights_scaling_factor_2=s_in)
+    return q.dequantize(dtype=torch.float32, scale=scale, double_scale=s2, block_sizes={-1: BLOCK}).reshape(x.shape)
+
+
+def _activations(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Heavy-tailed activations with a few outlier channels (what SALA's norms feed the linears), plus an all-zero
+    token, an all-zero block, a block far below the rest and exact +-0.0 values."""
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[-1], generator=g))
+    x[..., 5] *= 40.0
+    x = x.reshape(-1, shape[-1])
+    x[0] = 0.0
+    x[1, BLOCK : 2 * BLOCK] = 0.0
+    x[2, :BLOCK] *= 1e-6
+    x[3, :BLOCK:2] = -0.0
+    return x.reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("calibrated", [1.0, 0.25, 3.0])
+@pytest.mark.parametrize("shape", [(24, 64), (2, 7, 128)])
+def test_activation_quantization_bit_identical_to_modelopt(
+    mo: Any, dtype: torch.dtype, calibrated: float, shape: tuple[int, ...]
+) -> None:
+    """Against ModelOpt with the same global amax: the calibrated amax as measured (1.0), below the tokens'
+    (0.25: blocks above the calibrated range saturate the FP8 scale at 448 and their codes at 6) and above it."""
+    g = torch.Generator().manual_seed(len(shape) * 100 + int(calibrated * 4))
+    x = _activations(shape, g).to(dtype)
+    s_in = input_scale(x.abs().amax().float() * calibrated)
+    ours = quantize_activations(x, s_in)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    ref = _modelopt_activations(mo, x, s_in)
+    torch.testing.assert_close(ours.float(), ref.to(dtype).float(), rtol=0, atol=0)
+    assert torch.equal(quantize_activations(x.float(), s_in), ref)  # in fp32 the values themselves, unrounded
+    flat = x.float().reshape(-1, x.shape[-1])
+    assert bool((quantize_activations(flat, s_in)[0] == 0).all())  # the all-zero token stays zero
+    if calibrated < 1:
+        top = flat.abs().amax()
+        assert float(quantize_activations(flat, s_in).abs().amax()) == pytest.approx(6 * 448 * float(s_in))
+        assert float(top) > 6 * 448 * float(s_in)  # values above the calibrated range clip at 6 * 448 * input_scale
+
+
+def test_activation_quantization_by_hand() -> None:
+    """One block, input_scale 2**-8 (calibrated amax 10.5): block amax 6 -> FP8 scale 256 -> step exactly 1, so
+    the midpoints are exact ties: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4."""
+    vals = [6.0, -3.0, 0.25, 0.75, 2.5, -3.5, 0.0, 5.0, 1.25, 1.75, -0.25, 5.5, 0.0, 0.0, 0.0, 0.0]
+    want = [6.0, -3.0, 0.0, 1.0, 2.0, -4.0, 0.0, 4.0, 1.0, 2.0, -0.0, 6.0, 0.0, 0.0, 0.0, 0.0]
+    got = quantize_activations(torch.tensor([vals]), 2.0**-8)
+    assert torch.equal(got, torch.tensor([want]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_activations(torch.zeros(2, 24), 0.1)
+    with pytest.raises(ValueError, match="positive finite"):
+        quantize_activations(torch.zeros(2, 16), 0.0)
 
 
 def test_block_scale_clamps_and_zero_blocks() -> None:

@@ -14,6 +14,7 @@ from salaquant.cli import app
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
+from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
@@ -104,3 +105,43 @@ def test_attention_kernels_route_through_dispatchers() -> None:
     assert routed.model.layers[1].self_attn.gla_fn is not plain.model.layers[1].self_attn.gla_fn
     assert routed.model.layers[0].self_attn.sparse_fn is not plain.model.layers[0].self_attn.sparse_fn
     assert torch.equal(routed(ids, attention_mode="sparse").logits, plain(ids, attention_mode="sparse").logits)
+
+
+def test_nvfp4_w4a4_quantizes_each_linear_input_as_modelopt(exports) -> None:
+    """``activations="fp4"``: every NVFP4 linear quantizes its input with the export's ``input_scale``. Reference,
+    per linear on the inputs it sees in a forward pass: ModelOpt's NVFP4 quantization of that input, then the
+    product with the dense loader's weight (a whole-model comparison would only measure how FP4 rounding magnifies
+    the bf16 differences of the two paths)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    path = exports["nvfp4"]
+    reader = CheckpointReader(path)
+    rt = load(path, activations="fp4")
+    packed = {n: m for n, m in rt.named_modules() if isinstance(m, NVFP4Linear)}
+    assert len(packed) >= 40 and all(m.input_scale is not None for m in packed.values())
+    dense = load_model(path)
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        rt.get_submodule(n).register_forward_pre_hook(lambda _m, a, n=n: seen.__setitem__(n, a[0].detach()))
+        for n in packed
+    ]
+    ids = torch.randint(3, 4096, (1, 96), generator=torch.Generator().manual_seed(2))
+    w4a4 = rt(ids).logits
+    for h in hooks:
+        h.remove()
+    for name, x in seen.items():
+        s_in = reader.get(f"{name}.input_scale").float()
+        q, scale, s2 = NVFP4QTensor.quantize(x.reshape(-1, x.shape[-1]).float(), 16, weights_scaling_factor_2=s_in)
+        xq = q.dequantize(dtype=torch.float32, scale=scale, double_scale=s2, block_sizes={-1: 16})
+        want = torch.nn.functional.linear(xq.reshape(x.shape).to(x.dtype), dense.get_submodule(name).weight)
+        got = packed[name](x)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert _kl(load(path)(ids).logits, w4a4) > 1e-4  # the activations really are quantized
+    with pytest.raises(ValueError, match="needs an NVFP4 export"):
+        load(exports["gptq"], activations="fp4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        load(path, activations="fp8")

@@ -23,6 +23,7 @@ from rich.console import Console
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..progress import Phases
+from ..runtime.load import ACTIVATIONS
 from . import generation as gen
 from . import layers as lay
 from . import niah as nh
@@ -59,12 +60,15 @@ class EvalOptions:
     device: str = "auto"
     backend: str = "auto"
     kernels: bool | None = None  # None: the runtime's default
+    activations: str = "auto"  # "auto": FP4 for NVFP4 exports (W4A4, as Blackwell runs them), else 16-bit
     dtype: str = "bf16"
     tp: int = 1
     seed: int = 0
     show_progress: bool = True
 
     def validate(self) -> None:
+        if self.activations not in ("auto", *ACTIVATIONS):
+            raise EvalInputError(f"--activations {self.activations!r}: expected auto, {' or '.join(ACTIVATIONS)}")
         if self.attention not in ATTENTION_MODES:
             raise EvalInputError(f"--attention {self.attention!r}: expected one of {', '.join(ATTENTION_MODES)}")
         if self.max_len < 2:
@@ -263,8 +267,11 @@ def run_eval(
     kw: dict[str, Any] = {"device": dev, "dtype": opts.dtype, "backend": opts.backend}
     if opts.kernels is not None:
         kw["kernels"] = opts.kernels
+    activations = opts.activations if opts.activations != "auto" else ("fp4" if qfmt == "nvfp4" else "bf16")
+    if activations == "fp4" and qfmt != "nvfp4":
+        raise EvalInputError(f"--activations fp4: {quantized} is a {qfmt} export (weight-only); fp4 needs NVFP4")
     ref_model = load(reference, **kw)
-    q_model = load(quantized, **kw)
+    q_model = load(quantized, **kw, activations=activations)
     timings["load"] = time.perf_counter() - t
 
     result: dict[str, Any] = {
@@ -272,7 +279,7 @@ def run_eval(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(dev),
-        "quantized": {"path": str(quantized), "format": qfmt, "check": check},
+        "quantized": {"path": str(quantized), "format": qfmt, "activations": activations, "check": check},
         "reference": {"path": str(reference), "format": rfmt},
         "settings": {
             **{k: v for k, v in dataclasses.asdict(opts).items() if k not in ("show_progress", "prompts")},

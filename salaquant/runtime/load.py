@@ -14,6 +14,9 @@ from ..model.loading import _check_keys, require_finite, resolve_dtype
 from ..model.modeling import SalaForCausalLM
 from .linear import GPTQLinear, NVFP4Linear
 
+ACTIVATIONS = ("bf16", "fp4")
+"""What the runtime feeds the quantized linears: 16-bit activations, or FP4 ones for NVFP4 (W4A4)."""
+
 
 def checkpoint_format(reader: CheckpointReader) -> str:
     """ "bf16", "gptq" or "nvfp4", from config.json's quantization_config."""
@@ -53,17 +56,24 @@ def load(
     dtype: str | torch.dtype = "bf16",
     backend: str = "auto",
     kernels: bool = True,
+    activations: str = "bf16",
 ) -> SalaForCausalLM:
     """Load a bf16, GPTQ or NVFP4 checkpoint (detected from its config) into ``SalaForCausalLM``.
 
     Quantized linears become ``GPTQLinear`` / ``NVFP4Linear`` modules holding the packed tensors; every other
     tensor is loaded as stored (cast to ``dtype``). With ``kernels`` the GLA and sparse-attention calls go
     through ``salaquant.kernels`` too (Triton on CUDA tensors, the PyTorch references elsewhere; both pass
-    the same tests); ``kernels=False`` keeps the model's own PyTorch attention code.
+    the same tests); ``kernels=False`` keeps the model's own PyTorch attention code. ``activations="fp4"`` runs an
+    NVFP4 export W4A4, as Blackwell serves it: each NVFP4 linear quantizes its inputs with the export's
+    ``input_scale`` (``"bf16"``, the default, keeps them 16-bit: the weight-only path of older GPUs).
     """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     reader = CheckpointReader(path)
     config = SalaConfig.from_dict(reader.config())
     fmt = checkpoint_format(reader)
+    if activations == "fp4" and fmt != "nvfp4":
+        raise ValueError(f"{path}: activations='fp4' needs an NVFP4 export; this one is {fmt} (weight-only)")
     dt = resolve_dtype(dtype)
     shapes = parameter_shapes(config)
     _check_keys(reader, shapes)
@@ -102,6 +112,7 @@ def load(
                     get(f"{module_name}.weight_scale"),
                     get(f"{module_name}.weight_scale_2"),
                     backend,
+                    get(f"{module_name}.input_scale") if activations == "fp4" else None,
                 ),
             )
         else:

@@ -20,6 +20,7 @@ its codes saturate.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "global_scale",
     "input_scale",
     "pack_nibbles",
+    "quantize_activations",
     "quantize_nvfp4",
     "raw_block_scales",
     "round_block_scales",
@@ -235,3 +237,29 @@ def quantize_nvfp4(
         block_scale = block_scale.to(w.device)
     codes = block_codes(weight_blocks(w), block_scale.float(), s2).reshape(out, n)
     return NVFP4Weight(weight=pack_nibbles(codes), weight_scale=block_scale, weight_scale_2=s2)
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | float) -> torch.Tensor:
+    """``x [..., in]`` (``in % 16 == 0``) as the NVFP4 GEMM reads it: quantized per 16 inputs and dequantized, in
+    ``x.dtype``.
+
+    Convention (ModelOpt's export, read the same way by SGLang's and vLLM's ``modelopt_fp4``): the checkpoint's
+    ``input_scale`` is ``calibrated amax / (6 * 448)``; the engines pass ``1 / input_scale`` to the activation
+    quantizer as its global scale. Per block of 16 inputs: block scale ``fp8_e4m3(clamp(block_amax / (6 *
+    input_scale), 2**-9, 448))`` (round to nearest even; a block above the calibrated range saturates at 448),
+    codes ``e2m1(x / (block_scale * input_scale))`` rounded to nearest with ties to the even mantissa and
+    saturating at 6, value ``code * block_scale * input_scale``: the weights' numerics with ``input_scale`` as the
+    global scale, as ModelOpt's ``NVFP4QTensor`` computes them. All arithmetic in fp32.
+    """
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"activations must have a multiple of {BLOCK} inputs, got shape {list(x.shape)}")
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return x.clone()
+    s2 = scalar_scale(input_scale, x.device)
+    if not (float(s2) > 0 and math.isfinite(float(s2))):
+        raise ValueError(f"input_scale must be a positive finite number, got {float(s2)}")
+    blocks = weight_blocks(flat)
+    scale = round_block_scales(raw_block_scales(blocks.abs().amax(dim=-1), s2)).float()
+    deq = dequant_blocks(block_codes(blocks, scale, s2), scale, s2)
+    return deq.reshape(x.shape).to(x.dtype)
