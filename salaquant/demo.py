@@ -3,7 +3,9 @@
 Quantizes ``models/sala-tiny`` with the shipped calibration set as GPTQ W4A16 and as NVFP4 (default exclusions
 and dense-all), reads each export back with the runtime (packed quantized linears, as served) and compares it
 with the bf16 model on held-out text: checkpoint size, perplexity, KL(bf16 || export), top-1 agreement and a
-greedy-generation collapse check. One table, ``demo.json`` and the checkpoints under the output folder.
+greedy-generation collapse check. Each NVFP4 export is scored twice: W4A4 (its linears' inputs quantized to NVFP4
+with the export's input scales, as Blackwell runs it) and weight-only (16-bit activations, as older GPUs do).
+One table, ``demo.json`` and the checkpoints under the output folder.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def run_demo(
         with progress.phase("bf16 model: load, score", 1) as step:
             reference = load(model, device=dev)
             base = score_export(reference, reference, wins, prompts, size.gen_tokens, unk_id, dev)
-            rows.append({"variant": "bf16", "path": str(model), "bytes": checkpoint_bytes(model), **base})
+            rows.append({"variant": "bf16", "path": str(model), "activations": "bf16", **base})
+            rows[-1]["bytes"] = checkpoint_bytes(model)
             step()
         for label, folder, quantize in variants:
             path = out / folder
@@ -185,11 +188,14 @@ def run_demo(
                 quantize(path, quiet)
                 seconds = time.perf_counter() - t0
                 step()
-                exported = load(path, device=dev)
-                scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)
-                rows.append({"variant": label, "path": str(path), "bytes": checkpoint_bytes(path), **scores})
-                rows[-1]["quantize_s"] = round(seconds, 1)
-                del exported
+                # NVFP4 twice: W4A4 as Blackwell runs it, then weight-only as older GPUs do
+                runs = [("fp4", " W4A4"), ("bf16", " weight-only")] if label.startswith("NVFP4") else [("bf16", "")]
+                for activations, suffix in runs:
+                    exported = load(path, device=dev, activations=activations)
+                    scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)
+                    row = {"variant": label + suffix, "path": str(path), "activations": activations, **scores}
+                    rows.append({**row, "bytes": checkpoint_bytes(path), "quantize_s": round(seconds, 1)})
+                    del exported
                 step()
     result = {
         "model": str(model),
@@ -219,7 +225,8 @@ def table(result: dict[str, Any]) -> Table:
     ev = result["eval"]
     title = (
         f"held-out {ev['windows']} x {ev['window_tokens']} tokens, dense attention, {result['device']}\n"
-        "GPTQ: full-Hessian GPTQ, MSE scales, int4 g128; NVFP4: sparse-attention blocks kept bf16; dense-all: those too"
+        "GPTQ: full-Hessian GPTQ, MSE scales, int4 g128; NVFP4: sparse-attention blocks kept bf16; dense-all: those\n"
+        "too; W4A4: activations in NVFP4 too (Blackwell); weight-only: 16-bit activations (older GPUs)"
     )
     t = Table(title=title)
     for col in ("variant", "size MB", "ppl", "ppl increase", "KL(bf16||q)", "top-1 agree", "collapse check"):

@@ -185,7 +185,14 @@ def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto
     wins = windows(text.tokens, gate.seq_len, gate.windows)
     if not wins:
         raise RecipeError(f"eval.data {gate.data}: fewer than eval.seq_len={gate.seq_len} tokens")
-    reference, model = load_model(source, device=dev), load_model(quantized, device=dev)
+    from .model.checkpoint import CheckpointReader
+    from .runtime.load import checkpoint_format, load
+
+    fp4 = gate.activations == "fp4" or (
+        gate.activations == "auto" and checkpoint_format(CheckpointReader(quantized)) == "nvfp4"
+    )
+    reference = load_model(source, device=dev)
+    model = load(quantized, device=dev, activations="fp4") if fp4 else load_model(quantized, device=dev)
     s = compare_windows(reference, model, wins, "dense", dev)[0].summary()
     out: dict[str, Any] = {
         "ppl_source": s["ppl_source"],
@@ -195,6 +202,7 @@ def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto
         "top1": s["top1"],
         "windows": len(wins),
         "seq_len": gate.seq_len,
+        "activations": "fp4" if fp4 else "bf16",
     }
     thresholds = Thresholds(max_ppl_increase=gate.max_ppl_increase, max_kl=gate.max_kl, min_top1=gate.min_top1)
     checks = thresholds.check({"perplexity": s})

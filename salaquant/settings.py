@@ -129,6 +129,9 @@ class EvalGate(_Section):
     max_ppl_increase: float | None = Field(None, ge=0.0, description="fraction, e.g. 0.05 = +5%")
     max_kl: float | None = Field(None, ge=0.0)
     min_top1: float | None = Field(None, ge=0.0, le=1.0)
+    activations: Literal["auto", "fp4", "bf16"] = Field(
+        "auto", description="auto: NVFP4 exports scored W4A4 (FP4 activations, as Blackwell runs them)"
+    )
 
 
 class Recipe(_Section):

@@ -30,7 +30,19 @@ def test_demo_quantizes_scores_and_writes(demo_run: tuple[Path, dict, str]) -> N
     out, result, text = demo_run
     assert json.loads((out / "demo.json").read_text()) == result
     names = [r["variant"] for r in result["rows"]]
-    assert names == ["bf16", "GPTQ W4A16", "NVFP4", "NVFP4 dense-all"]
+    assert names == [
+        "bf16",
+        "GPTQ W4A16",
+        "NVFP4 W4A4",
+        "NVFP4 weight-only",
+        "NVFP4 dense-all W4A4",
+        "NVFP4 dense-all weight-only",
+    ]
+    by_name = {r["variant"]: r for r in result["rows"]}
+    for export in ("NVFP4", "NVFP4 dense-all"):  # one export, scored both ways: the FP4 activations add error
+        w4a4, weight_only = by_name[f"{export} W4A4"], by_name[f"{export} weight-only"]
+        assert w4a4["path"] == weight_only["path"] and w4a4["activations"] == "fp4"
+        assert w4a4["kl"] > weight_only["kl"]
     base = result["rows"][0]
     assert base["ppl_increase"] == 0 and base["kl"] < 1e-9 and base["top1"] == 1.0
     for row in result["rows"][1:]:

@@ -364,6 +364,14 @@ def test_nvfp4_evaluated_w4a4_by_default(export: Path, tmp_path: Path) -> None:
     assert w4a4["quantized"]["activations"] == "fp4" and w4a16["quantized"]["activations"] == "bf16"
     assert w4a4["perplexity"]["ppl_source"] == w4a16["perplexity"]["ppl_source"]
     assert w4a4["perplexity"]["kl"] > w4a16["perplexity"]["kl"] > 0
+    gate = {"data": str(SHIPPED_SAMPLE), "seq_len": 128, "windows": 2}
+    gate_fp4, gate_bf16 = (
+        eval_gate(MODEL, nvfp4, EvalGate(**gate)),
+        eval_gate(MODEL, nvfp4, EvalGate(**gate, activations="bf16")),
+    )
+    assert gate_fp4["activations"] == "fp4" and gate_bf16["activations"] == "bf16"  # a recipe's eval gate alike
+    assert gate_fp4["kl"] > gate_bf16["kl"] > 0
+    assert eval_gate(MODEL, export, EvalGate(**gate))["activations"] == "bf16"
     with pytest.raises(EvalInputError, match="weight-only"):
         run_eval(export, MODEL, _opts(activations="fp4", **fast), Thresholds(), tmp_path / "c", QUIET)
     with pytest.raises(EvalInputError, match="--activations"):
