@@ -157,7 +157,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Quantize, score and tabulate; returns what ``demo.json`` holds."""
     from .engine import resolve_device
-    from .runtime.load import load
+    from .model.checkpoint import CheckpointReader
+    from .runtime.load import checkpoint_format, load, resolve_activations
 
     model, calib = _resolve(model, calib)
     out = _prepare_output(out, overwrite, [("model", model), ("calibration set", calib)], console)
@@ -188,8 +189,10 @@ def run_demo(
                 quantize(path, quiet)
                 seconds = time.perf_counter() - t0
                 step()
-                # NVFP4 twice: W4A4 as Blackwell runs it, then weight-only as older GPUs do
-                runs = [("fp4", " W4A4"), ("bf16", " weight-only")] if label.startswith("NVFP4") else [("bf16", "")]
+                # an NVFP4 export twice: W4A4 as Blackwell runs it, then weight-only as older GPUs do
+                with CheckpointReader(path) as reader:
+                    fp4 = resolve_activations("auto", checkpoint_format(reader)) == "fp4"
+                runs = [("fp4", " W4A4"), ("bf16", " weight-only")] if fp4 else [("bf16", "")]
                 for activations, suffix in runs:
                     exported = load(path, device=dev, activations=activations)
                     scores = score_export(reference, exported, wins, prompts, size.gen_tokens, unk_id, dev)

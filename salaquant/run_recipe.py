@@ -186,12 +186,12 @@ def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto
     if not wins:
         raise RecipeError(f"eval.data {gate.data}: fewer than eval.seq_len={gate.seq_len} tokens")
     from .model.checkpoint import CheckpointReader
-    from .runtime.load import checkpoint_format, load
+    from .runtime.load import checkpoint_format, load, resolve_activations
 
-    fp4 = gate.activations == "fp4" or (
-        gate.activations == "auto" and checkpoint_format(CheckpointReader(quantized)) == "nvfp4"
-    )
+    with CheckpointReader(quantized) as reader:
+        activations = resolve_activations(gate.activations, checkpoint_format(reader))
     reference = load_model(source, device=dev)
+    fp4 = activations == "fp4"
     model = load(quantized, device=dev, activations="fp4") if fp4 else load_model(quantized, device=dev)
     s = compare_windows(reference, model, wins, "dense", dev)[0].summary()
     out: dict[str, Any] = {
@@ -202,7 +202,7 @@ def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto
         "top1": s["top1"],
         "windows": len(wins),
         "seq_len": gate.seq_len,
-        "activations": "fp4" if fp4 else "bf16",
+        "activations": activations,
     }
     thresholds = Thresholds(max_ppl_increase=gate.max_ppl_increase, max_kl=gate.max_kl, min_top1=gate.min_top1)
     checks = thresholds.check({"perplexity": s})

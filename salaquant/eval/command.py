@@ -191,7 +191,7 @@ def run_eval(
     ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
     from .. import __version__
     from ..engine import resolve_device
-    from ..runtime.load import checkpoint_format, load
+    from ..runtime.load import checkpoint_format, load, resolve_activations
     from ..workflow import load_tokenizer
 
     opts = options or EvalOptions()
@@ -267,9 +267,10 @@ def run_eval(
     kw: dict[str, Any] = {"device": dev, "dtype": opts.dtype, "backend": opts.backend}
     if opts.kernels is not None:
         kw["kernels"] = opts.kernels
-    activations = opts.activations if opts.activations != "auto" else ("fp4" if qfmt == "nvfp4" else "bf16")
-    if activations == "fp4" and qfmt != "nvfp4":
-        raise EvalInputError(f"--activations fp4: {quantized} is a {qfmt} export (weight-only); fp4 needs NVFP4")
+    try:
+        activations = resolve_activations(opts.activations, qfmt)
+    except ValueError as exc:
+        raise EvalInputError(f"--activations {opts.activations}: {quantized}: {exc}") from None
     ref_model = load(reference, **kw)
     q_model = load(quantized, **kw, activations=activations)
     timings["load"] = time.perf_counter() - t

@@ -29,6 +29,7 @@ from ..stats import GroupStats, LayerStats
 from .solver import GPTQConfig, GPTQResult, error_ratio, gptq, row_weighted_errors, rtn
 
 _DEFAULTS = defaults("gptq")
+_SMOOTH = smoothing_for(_DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class GPTQLayerOptions:
     act_order: bool = _DEFAULTS.gptq.act_order
     mse: bool = _DEFAULTS.gptq.mse  # clipped scales searched per (row, group) for the least squared error
     fp64: bool = _DEFAULTS.gptq.fp64
-    smooth_alpha: float | None = smoothing_for(_DEFAULTS)[0]  # None: no smoothing
-    smooth_groups: tuple[str, ...] = smoothing_for(_DEFAULTS)[1]
+    smooth_alpha: float | None = _SMOOTH[0]  # None: no smoothing
+    smooth_groups: tuple[str, ...] = _SMOOTH[1]
     hessian_weighting: str = _DEFAULTS.gptq.hessian_weighting  # "samples": every sample weighs the same; "tokens"
     method: str = _DEFAULTS.method  # or "rtn": round to nearest on the same grid (the baseline), same export
 

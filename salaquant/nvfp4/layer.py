@@ -27,6 +27,7 @@ from .plan import NVFP4Plan
 from .search import search_block_scales
 
 _DEFAULTS = defaults("nvfp4")
+_SMOOTH = smoothing_for(_DEFAULTS)
 _TINY = torch.finfo(torch.float32).tiny  # an all-zero weight gets a positive global scale, not 0/0 block scales
 
 
@@ -36,8 +37,8 @@ class NVFP4LayerOptions:
 
     mse_iters: int = _DEFAULTS.nvfp4.mse_iters  # 0: plain block scales
     mse_max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink
-    smooth_alpha: float | None = smoothing_for(_DEFAULTS)[0]  # None: no smoothing
-    smooth_groups: tuple[str, ...] = smoothing_for(_DEFAULTS)[1]
+    smooth_alpha: float | None = _SMOOTH[0]  # None: no smoothing
+    smooth_groups: tuple[str, ...] = _SMOOTH[1]
 
 
 def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:

@@ -61,6 +61,10 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_scale_2", weight_scale_2.reshape(()).float())
+        if input_scale is not None:
+            from ..formats.modelopt_nvfp4.numerics import check_input_scale
+
+            check_input_scale(input_scale)  # once here, not per call
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(()).float())
         self.backend = backend
         self.in_features = weight.shape[1] * 2

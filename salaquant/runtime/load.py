@@ -18,6 +18,17 @@ ACTIVATIONS = ("bf16", "fp4")
 """What the runtime feeds the quantized linears: 16-bit activations, or FP4 ones for NVFP4 (W4A4)."""
 
 
+def resolve_activations(requested: str, fmt: str) -> str:
+    """The activations an export of format ``fmt`` runs with: ``"auto"`` is FP4 for NVFP4 (W4A4, as Blackwell runs
+    it) and 16-bit otherwise; ValueError for FP4 on a weight-only format."""
+    if requested not in ("auto", *ACTIVATIONS):
+        raise ValueError(f"activations must be one of auto, {', '.join(ACTIVATIONS)}; got {requested!r}")
+    got = requested if requested != "auto" else ("fp4" if fmt == "nvfp4" else "bf16")
+    if got == "fp4" and fmt != "nvfp4":
+        raise ValueError(f"activations='fp4' needs an NVFP4 export; this one is {fmt} (weight-only)")
+    return got
+
+
 def checkpoint_format(reader: CheckpointReader) -> str:
     """ "bf16", "gptq" or "nvfp4", from config.json's quantization_config."""
     qc = reader.config().get("quantization_config") or {}
@@ -72,8 +83,11 @@ def load(
     reader = CheckpointReader(path)
     config = SalaConfig.from_dict(reader.config())
     fmt = checkpoint_format(reader)
-    if activations == "fp4" and fmt != "nvfp4":
-        raise ValueError(f"{path}: activations='fp4' needs an NVFP4 export; this one is {fmt} (weight-only)")
+    if activations == "fp4":
+        try:
+            resolve_activations(activations, fmt)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     dt = resolve_dtype(dtype)
     shapes = parameter_shapes(config)
     _check_keys(reader, shapes)

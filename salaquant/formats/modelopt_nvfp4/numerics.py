@@ -35,6 +35,7 @@ __all__ = [
     "as_fp32",
     "block_codes",
     "block_scales",
+    "check_input_scale",
     "check_weight",
     "dequant_blocks",
     "e2m1_codes",
@@ -239,6 +240,13 @@ def quantize_nvfp4(
     return NVFP4Weight(weight=pack_nibbles(codes), weight_scale=block_scale, weight_scale_2=s2)
 
 
+def check_input_scale(input_scale: torch.Tensor | float) -> None:
+    """ValueError unless ``input_scale`` is one positive finite value."""
+    s = as_fp32(input_scale)
+    if s.numel() != 1 or not (float(s) > 0 and math.isfinite(float(s))):
+        raise ValueError(f"input_scale must be a positive finite number, got {input_scale!r}")
+
+
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | float) -> torch.Tensor:
     """``x [..., in]`` (``in % 16 == 0``) as the NVFP4 GEMM reads it: quantized per 16 inputs and dequantized, in
     ``x.dtype``.
@@ -250,15 +258,18 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | float) -> 
     codes ``e2m1(x / (block_scale * input_scale))`` rounded to nearest with ties to the even mantissa and
     saturating at 6, value ``code * block_scale * input_scale``: the weights' numerics with ``input_scale`` as the
     global scale, as ModelOpt's ``NVFP4QTensor`` computes them. All arithmetic in fp32.
+
+    ``input_scale`` must be positive and finite: checked here when it is a number; a tensor is checked once by its
+    owner (``check_input_scale``), since reading it back on every call would stall a GPU.
     """
     if x.shape[-1] % BLOCK:
         raise ValueError(f"activations must have a multiple of {BLOCK} inputs, got shape {list(x.shape)}")
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] == 0:
         return x.clone()
+    if not isinstance(input_scale, torch.Tensor):
+        check_input_scale(input_scale)
     s2 = scalar_scale(input_scale, x.device)
-    if not (float(s2) > 0 and math.isfinite(float(s2))):
-        raise ValueError(f"input_scale must be a positive finite number, got {float(s2)}")
     blocks = weight_blocks(flat)
     scale = round_block_scales(raw_block_scales(blocks.abs().amax(dim=-1), s2)).float()
     deq = dequant_blocks(block_codes(blocks, scale, s2), scale, s2)
