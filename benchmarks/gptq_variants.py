@@ -87,7 +87,7 @@ SINGLE_CHANGES: dict[str, dict[str, Any]] = {
 WATCHED = (
     "salaquant/gptq/solver.py",
     "salaquant/gptq/layer.py",
-    "salaquant/gptq/packing.py",
+    "salaquant/formats/gptq_v1/packing.py",
     "salaquant/gptq/command.py",
     "salaquant/engine.py",
     "salaquant/smooth/fold.py",
@@ -95,12 +95,12 @@ WATCHED = (
 )
 
 
-def source_state() -> dict[str, Any]:
-    files = {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:16] for f in WATCHED}
+def source_state(watched: tuple[str, ...] = WATCHED) -> dict[str, Any]:
+    files = {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:16] for f in watched}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *WATCHED], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--", *watched], cwd=ROOT, capture_output=True, text=True
         ).stdout.split("\n")
     except OSError:
         head, dirty = "?", []

@@ -1,0 +1,287 @@
+"""NVFP4 calibration choices for W4A4 (activations in FP4, as Blackwell runs the export), decided on a validation text.
+
+Two questions, each answered by one rule fixed before any run:
+
+1. **SmoothQuant for W4A4.** Every variant goes through ``salaquant nvfp4`` (default exclusions and ``--dense-all``)
+   with the calibration set ``benchmarks/quality.py`` uses (32 samples of at most 2048 tokens), is loaded by the
+   runtime with ``activations="fp4"`` and scored on the validation text and the held-out windows (both from
+   ``benchmarks/gptq_variants.py``: the model's held-out documents not in the shipped sample, and exactly
+   quality.py's windows). Candidates: no smoothing, alpha 0.3, 0.5, 0.7, 0.85 on the method's three groups, and
+   alpha 0.5 on all four groups (adding ``up_proj`` -> ``down_proj``).
+2. **The input-scale estimator**, on the exports of the smoothing pick. The export's ``input_scale`` is ModelOpt's
+   rule, ``max |x| / (6 * 448)`` over the calibration tokens. The alternatives are computed here from the inputs
+   every NVFP4 linear sees when the calibration samples run through the W4A4 model (one value per input group:
+   the linears that read the same tensor share it, as the engines require): the 99.99th and 99.9th percentile of
+   the per-token absolute maximum, the MSE-optimal scale (the factor of the max, among 0.3 .. 2.0, with the least
+   squared error of the quantized activations over all calibration tokens) and twice the max (headroom for
+   held-out tokens above the calibrated range). Each is written into the loaded model's ``input_scale`` buffers
+   and scored as above.
+
+Rule (both questions): the candidate with the least mean per-token W4A4 KL(bf16 || quantized) on the validation
+text, averaged over the default and the dense-all exports, replaces the incumbent (alpha 0.5 on three groups;
+the max) only if its validation KL is lower by more than one paired standard error over the windows of both
+exports; otherwise the incumbent stays. The held-out figures only confirm.
+
+  python benchmarks/nvfp4_w4a4_variants.py --out OUT [--device cuda] [--val-windows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gptq_variants import TextSet, _mean, _se, slug, source_state, validation_text
+from quality import CALIB, MODEL, ROOT, _quiet
+from rich.console import Console
+from rich.table import Table
+
+from salaquant.calib_data import CalibOptions, load_calibration
+from salaquant.eval.data import load_eval_text
+from salaquant.eval.perplexity import windows
+from salaquant.formats.modelopt_nvfp4.numerics import input_scale, quantize_activations
+from salaquant.model.layout import input_groups
+from salaquant.model.loading import load_model
+from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.layer import NVFP4LayerOptions
+from salaquant.runtime.linear import NVFP4Linear
+from salaquant.runtime.load import load
+from salaquant.workflow import load_tokenizer
+
+THREE = ("attn_in", "attn_out", "mlp_in")
+FOUR = (*THREE, "mlp_out")
+SMOOTHING: list[tuple[str, float | None, tuple[str, ...]]] = [
+    ("no smoothing", None, THREE),
+    ("alpha 0.3", 0.3, THREE),
+    ("alpha 0.5 (incumbent)", 0.5, THREE),
+    ("alpha 0.7", 0.7, THREE),
+    ("alpha 0.85", 0.85, THREE),
+    ("alpha 0.5, four groups", 0.5, FOUR),
+]
+SMOOTH_INCUMBENT = "alpha 0.5 (incumbent)"
+MSE_FACTORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
+ESTIMATORS = ("max (ModelOpt, incumbent)", "p99.99 token amax", "p99.9 token amax", "MSE-optimal", "2 x max")
+SCALE_INCUMBENT = ESTIMATORS[0]
+EXCLUSIONS = (("default", False), ("dense-all", True))
+WATCHED = (
+    "salaquant/nvfp4/layer.py",
+    "salaquant/nvfp4/search.py",
+    "salaquant/formats/modelopt_nvfp4/numerics.py",
+    "salaquant/engine.py",
+    "salaquant/smooth/fold.py",
+    "salaquant/stats.py",
+    "salaquant/runtime/linear.py",
+)
+
+
+def shared_inputs(model: torch.nn.Module) -> dict[str, list[str]]:
+    """NVFP4 linears grouped by the tensor they read: ``model.layers.i.<group>`` -> member module names."""
+    out: dict[str, list[str]] = {}
+    for i, layer in enumerate(model.model.layers):
+        for g in input_groups(model.config, layer.kind):
+            members = [f"model.layers.{i}.{m}" for m in g.members]
+            members = [m for m in members if isinstance(model.get_submodule(m), NVFP4Linear)]
+            if members:
+                out[f"model.layers.{i}.{g.name}"] = members
+    return out
+
+
+class InputStats:
+    """Per input group: every calibration token's absolute maximum, and the squared error of the FP4 activations at
+    each candidate factor of the export's calibrated amax."""
+
+    def __init__(self, base_scale: torch.Tensor) -> None:
+        self.base = base_scale.detach().float().clone()
+        self.token_amax: list[torch.Tensor] = []
+        self.err2 = torch.zeros(len(MSE_FACTORS), dtype=torch.float64)
+
+    def add(self, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        self.token_amax.append(flat.abs().amax(-1).cpu())
+        for k, f in enumerate(MSE_FACTORS):
+            self.err2[k] += float((quantize_activations(flat, self.base * f) - flat).pow(2).sum())
+
+    def scale(self, estimator: str) -> torch.Tensor:
+        amax = torch.cat(self.token_amax)
+        if estimator == SCALE_INCUMBENT:
+            return self.base
+        if estimator == "2 x max":
+            return self.base * 2
+        if estimator == "MSE-optimal":
+            return self.base * MSE_FACTORS[int(self.err2.argmin())]
+        q = {"p99.99 token amax": 0.9999, "p99.9 token amax": 0.999}[estimator]
+        return input_scale(torch.quantile(amax.double(), q).float()).to(self.base.device)
+
+
+@torch.no_grad()
+def input_stats(model: torch.nn.Module, samples: list[torch.Tensor], device: str) -> dict[str, InputStats]:
+    """Run the calibration samples through the W4A4 model; the statistics of each input group's (unquantized) input."""
+    groups = shared_inputs(model)
+    stats: dict[str, InputStats] = {}
+    handles = []
+    for key, members in groups.items():
+        first = model.get_submodule(members[0])
+        stats[key] = InputStats(first.input_scale)
+
+        def hook(_mod: Any, args: tuple[torch.Tensor, ...], key: str = key) -> None:
+            stats[key].add(args[0])
+
+        handles.append(first.register_forward_pre_hook(hook))
+    try:
+        for ids in samples:
+            model(ids[None].to(device), attention_mode="dense")
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def set_scales(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    for key, members in shared_inputs(model).items():
+        for m in members:
+            model.get_submodule(m).input_scale.copy_(scales[key].reshape(()))
+
+
+def paired_pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
+    """Validation KL of ``a`` minus ``b`` over the windows of every export pair (default and dense-all)."""
+    dk = [x - y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra["window_kl"], rb["window_kl"], strict=True)]
+    return {"kl": _mean(dk), "kl_se": _se(dk), "windows_better": sum(d < 0 for d in dk) / len(dk)}
+
+
+def decide(rows: list[dict[str, Any]], incumbent: str) -> dict[str, Any]:
+    """The rule: least mean validation KL over both exports; it replaces the incumbent only when lower by more than
+    one pooled paired standard error."""
+    ok = [r for r in rows if all("validation" in r[ex] for ex, _ in EXCLUSIONS)]
+    mean_kl = {r["variant"]: _mean([r[ex]["validation"]["kl"] for ex, _ in EXCLUSIONS]) for r in ok}
+    best = min(ok, key=lambda r: mean_kl[r["variant"]])
+    inc = next(r for r in ok if r["variant"] == incumbent)
+    d = paired_pooled([best[ex]["validation"] for ex, _ in EXCLUSIONS], [inc[ex]["validation"] for ex, _ in EXCLUSIONS])
+    chosen = best if best is not inc and d["kl"] < -d["kl_se"] else inc
+    return {"least_kl": best["variant"], "vs_incumbent": d, "chosen": chosen["variant"], "mean_kl": mean_kl}
+
+
+def _print(console: Console, name: str, ex: str, s: dict[str, Any], seconds: float) -> None:
+    v, h = s["validation"], s["heldout"]
+    console.print(
+        f"{name} ({ex}): validation {100 * v['ppl_increase']:+.2f}% KL {v['kl']:.4f} | "
+        f"held-out {100 * h['ppl_increase']:+.2f}% KL {h['kl']:.4f} ({seconds:.0f} s)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window-len", type=int, default=1024)
+    ap.add_argument("--val-windows", type=int, default=None, help="validation windows (default: all)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    console = Console(width=max(Console().width, 170))
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    dev = args.device
+
+    tok = load_tokenizer(MODEL)
+    reference = load_model(MODEL, device=dev)
+    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
+    held = TextSet("heldout", [w.to(dev) for w in windows(held_tokens, args.window_len, args.windows)], reference)
+    val_tokens, val_info = validation_text(args.out, tok)
+    val = TextSet("validation", [w.to(dev) for w in windows(val_tokens, args.window_len, args.val_windows)], reference)
+    sets = [val, held]
+    calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len)
+    samples = [s.ids for s in load_calibration([str(CALIB)], tok, calib).samples]
+
+    def score(net: torch.nn.Module) -> dict[str, Any]:
+        return {s.name: s.score(net) for s in sets}
+
+    smooth_rows: list[dict[str, Any]] = []
+    for name, alpha, groups in SMOOTHING:
+        row: dict[str, Any] = {"variant": name, "smooth_alpha": alpha, "smooth_groups": list(groups)}
+        for ex, dense_all in EXCLUSIONS:
+            t0 = time.perf_counter()
+            export = args.out / "exports" / f"{slug(name)}-{ex}"
+            opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups)
+            run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
+            run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, _quiet())
+            row[ex] = {"export": str(export), **score(load(export, device=dev, activations="fp4", kernels=False))}
+            row[ex]["seconds"] = round(time.perf_counter() - t0, 1)
+            _print(console, name, ex, row[ex], row[ex]["seconds"])
+        smooth_rows.append(row)
+    smooth_pick = decide(smooth_rows, SMOOTH_INCUMBENT)
+    console.print(f"smoothing: {smooth_pick}")
+
+    picked = next(r for r in smooth_rows if r["variant"] == smooth_pick["chosen"])
+    scale_rows: list[dict[str, Any]] = [{"variant": e} for e in ESTIMATORS]
+    factors: dict[str, dict[str, float]] = {}
+    for ex, _ in EXCLUSIONS:
+        net = load(picked[ex]["export"], device=dev, activations="fp4", kernels=False)
+        t0 = time.perf_counter()
+        stats = input_stats(net, samples, dev)
+        console.print(f"input statistics ({ex}): {len(stats)} input groups ({time.perf_counter() - t0:.0f} s)")
+        for row in scale_rows:
+            t0 = time.perf_counter()
+            scales = {k: st.scale(row["variant"]) for k, st in stats.items()}
+            factors.setdefault(row["variant"], {})[ex] = _mean([float(scales[k] / st.base) for k, st in stats.items()])
+            set_scales(net, scales)
+            row[ex] = score(net)
+            row[ex]["scale_over_max"] = {k: float(scales[k] / st.base) for k, st in stats.items()}
+            _print(console, row["variant"], ex, row[ex], time.perf_counter() - t0)
+        set_scales(net, {k: st.base for k, st in stats.items()})
+    scale_pick = decide(scale_rows, SCALE_INCUMBENT)
+    console.print(f"input scale: {scale_pick}")
+
+    result = {
+        "model": str(MODEL.relative_to(ROOT)),
+        "device": dev,
+        "calibration": {"source": str(CALIB.relative_to(ROOT)), "samples": len(samples), "max_len": args.max_len},
+        "validation": {**val_info, "windows": len(val.wins)},
+        "heldout": {"windows": len(held.wins)},
+        "window_tokens": args.window_len,
+        "rule": "least mean validation W4A4 KL over both exports; replaces the incumbent only if lower by > 1 pooled "
+        "paired SE",
+        "smoothing": {"rows": smooth_rows, "decision": smooth_pick},
+        "input_scale": {"rows": scale_rows, "decision": scale_pick, "mean_factor_of_max": factors},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "torch": torch.__version__,
+        "source_state": source_state(WATCHED),
+    }
+    for part in ("smoothing", "input_scale"):
+        for r in result[part]["rows"]:
+            for ex, _ in EXCLUSIONS:
+                for s in ("validation", "heldout"):
+                    r[ex][s] = {k: v for k, v in r[ex][s].items() if not k.startswith("window_")} | {
+                        "window_kl": r[ex][s]["window_kl"]
+                    }
+    (args.out / "nvfp4_w4a4_variants.json").write_text(json.dumps(result, indent=2))
+    console.print(table("SmoothQuant for W4A4", smooth_rows))
+    console.print(table("input-scale estimator for W4A4 (on the smoothing pick)", scale_rows))
+    console.print(f"wall time {result['wall_s']} s; JSON in {args.out / 'nvfp4_w4a4_variants.json'}")
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> Table:
+    t = Table(title=f"{title}: W4A4 validation and held-out figures")
+    t.add_column("variant", justify="left")
+    for ex, _ in EXCLUSIONS:
+        for col in ("val ppl Δ", "val KL", "held ppl Δ", "held KL"):
+            t.add_column(f"{ex} {col}", justify="right")
+    for r in rows:
+        cells = [r["variant"]]
+        for ex, _ in EXCLUSIONS:
+            v, h = r[ex]["validation"], r[ex]["heldout"]
+            cells += [f"{100 * v['ppl_increase']:+.2f}%", f"{v['kl']:.4f}", f"{100 * h['ppl_increase']:+.2f}%"]
+            cells.append(f"{h['kl']:.4f}" if math.isfinite(h["kl"]) else "-")
+        t.add_row(*cells)
+    return t
+
+
+if __name__ == "__main__":
+    main()
