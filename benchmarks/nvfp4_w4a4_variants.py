@@ -6,14 +6,16 @@ Two questions, each answered by one rule fixed before any run:
    with the calibration set ``benchmarks/quality.py`` uses (32 samples of at most 2048 tokens), is loaded by the
    runtime with ``activations="fp4"`` and scored on the validation text and the held-out windows (both from
    ``benchmarks/gptq_variants.py``: the model's held-out documents not in the shipped sample, and exactly
-   quality.py's windows). Candidates: no smoothing, alpha 0.3, 0.5, 0.7, 0.85 on the method's three groups, and
-   alpha 0.5 on all four groups (adding ``up_proj`` -> ``down_proj``).
+   quality.py's windows); the exports keep ModelOpt's max rule for ``input_scale`` (``--input-scale max``).
+   Candidates: no smoothing, alpha 0.3, 0.5, 0.7, 0.85 on the method's three groups, and alpha 0.5 on all four
+   groups (adding ``up_proj`` -> ``down_proj``).
 2. **The input-scale estimator**, on the exports of the smoothing pick. The export's ``input_scale`` is ModelOpt's
    rule, ``max |x| / (6 * 448)`` over the calibration tokens. The alternatives are computed here from the inputs
    every NVFP4 linear sees when the calibration samples run through the W4A4 model (one value per input group:
    the linears that read the same tensor share it, as the engines require): the 99.99th and 99.9th percentile of
-   the per-token absolute maximum, the MSE-optimal scale (the factor of the max, among 0.3 .. 2.0, with the least
-   squared error of the quantized activations over all calibration tokens) and twice the max (headroom for
+   the per-token absolute maximum, the MSE-optimal scale (``salaquant.nvfp4.input_scale.InputScaleSearch``, the
+   ``--input-scale mse`` rule: the factor of the max, among 0.3 .. 2.0, with the least squared error of the
+   quantized activations over the calibration tokens) and twice the max (headroom for
    held-out tokens above the calibrated range). Each is written into the loaded model's ``input_scale`` buffers
    and scored as above.
 
@@ -44,10 +46,11 @@ from rich.table import Table
 from salaquant.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
 from salaquant.eval.perplexity import windows
-from salaquant.formats.modelopt_nvfp4.numerics import input_scale, quantize_activations
+from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.input_scale import InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.linear import NVFP4Linear
 from salaquant.runtime.load import load
@@ -64,7 +67,6 @@ SMOOTHING: list[tuple[str, float | None, tuple[str, ...]]] = [
     ("alpha 0.5, four groups", 0.5, FOUR),
 ]
 SMOOTH_INCUMBENT = "alpha 0.5 (incumbent)"
-MSE_FACTORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0)
 ESTIMATORS = ("max (ModelOpt, incumbent)", "p99.99 token amax", "p99.9 token amax", "MSE-optimal", "2 x max")
 SCALE_INCUMBENT = ESTIMATORS[0]
 EXCLUSIONS = (("default", False), ("dense-all", True))
@@ -92,19 +94,18 @@ def shared_inputs(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 class InputStats:
-    """Per input group: every calibration token's absolute maximum, and the squared error of the FP4 activations at
-    each candidate factor of the export's calibrated amax."""
+    """Per input group: every calibration token's absolute maximum, and the ``mse`` rule's search (as the nvfp4
+    command runs it, with the stride its calibration-token count implies)."""
 
-    def __init__(self, base_scale: torch.Tensor) -> None:
+    def __init__(self, base_scale: torch.Tensor, stride: int) -> None:
         self.base = base_scale.detach().float().clone()
         self.token_amax: list[torch.Tensor] = []
-        self.err2 = torch.zeros(len(MSE_FACTORS), dtype=torch.float64)
+        self.search = InputScaleSearch(self.base, stride)
 
     def add(self, x: torch.Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1]).float()
         self.token_amax.append(flat.abs().amax(-1).cpu())
-        for k, f in enumerate(MSE_FACTORS):
-            self.err2[k] += float((quantize_activations(flat, self.base * f) - flat).pow(2).sum())
+        self.search.update(flat)
 
     def scale(self, estimator: str) -> torch.Tensor:
         amax = torch.cat(self.token_amax)
@@ -113,7 +114,7 @@ class InputStats:
         if estimator == "2 x max":
             return self.base * 2
         if estimator == "MSE-optimal":
-            return self.base * MSE_FACTORS[int(self.err2.argmin())]
+            return self.search.scale()
         q = {"p99.99 token amax": 0.9999, "p99.9 token amax": 0.999}[estimator]
         return input_scale(torch.quantile(amax.double(), q).float()).to(self.base.device)
 
@@ -126,7 +127,7 @@ def input_stats(model: torch.nn.Module, samples: list[torch.Tensor], device: str
     handles = []
     for key, members in groups.items():
         first = model.get_submodule(members[0])
-        stats[key] = InputStats(first.input_scale)
+        stats[key] = InputStats(first.input_scale, search_stride(sum(s.numel() for s in samples)))
 
         def hook(_mod: Any, args: tuple[torch.Tensor, ...], key: str = key) -> None:
             stats[key].add(args[0])
@@ -182,6 +183,9 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--window-len", type=int, default=1024)
     ap.add_argument("--val-windows", type=int, default=None, help="validation windows (default: all)")
+    ap.add_argument(
+        "--command-only", action="store_true", help="only the command's mse rows, with the incumbent smoothing"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     console = Console(width=max(Console().width, 170))
@@ -203,25 +207,30 @@ def main() -> None:
         return {s.name: s.score(net) for s in sets}
 
     smooth_rows: list[dict[str, Any]] = []
-    for name, alpha, groups in SMOOTHING:
+    for name, alpha, groups in [] if args.command_only else SMOOTHING:
         row: dict[str, Any] = {"variant": name, "smooth_alpha": alpha, "smooth_groups": list(groups)}
         for ex, dense_all in EXCLUSIONS:
             t0 = time.perf_counter()
             export = args.out / "exports" / f"{slug(name)}-{ex}"
-            opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups)
+            opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups, input_scale="max")
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
             run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, _quiet())
             row[ex] = {"export": str(export), **score(load(export, device=dev, activations="fp4", kernels=False))}
             row[ex]["seconds"] = round(time.perf_counter() - t0, 1)
             _print(console, name, ex, row[ex], row[ex]["seconds"])
         smooth_rows.append(row)
-    smooth_pick = decide(smooth_rows, SMOOTH_INCUMBENT)
+    if args.command_only:
+        smooth_pick: dict[str, Any] = {"chosen": SMOOTH_INCUMBENT, "note": "--command-only: not measured here"}
+        name, alpha, groups = next(v for v in SMOOTHING if v[0] == SMOOTH_INCUMBENT)
+        picked: dict[str, Any] = {"variant": name, "smooth_alpha": alpha, "smooth_groups": list(groups)}
+    else:
+        smooth_pick = decide(smooth_rows, SMOOTH_INCUMBENT)
+        picked = next(r for r in smooth_rows if r["variant"] == smooth_pick["chosen"])
     console.print(f"smoothing: {smooth_pick}")
 
-    picked = next(r for r in smooth_rows if r["variant"] == smooth_pick["chosen"])
-    scale_rows: list[dict[str, Any]] = [{"variant": e} for e in ESTIMATORS]
+    scale_rows: list[dict[str, Any]] = [] if args.command_only else [{"variant": e} for e in ESTIMATORS]
     factors: dict[str, dict[str, float]] = {}
-    for ex, _ in EXCLUSIONS:
+    for ex, _ in [] if args.command_only else EXCLUSIONS:
         net = load(picked[ex]["export"], device=dev, activations="fp4", kernels=False)
         t0 = time.perf_counter()
         stats = input_stats(net, samples, dev)
@@ -235,8 +244,28 @@ def main() -> None:
             row[ex]["scale_over_max"] = {k: float(scales[k] / st.base) for k, st in stats.items()}
             _print(console, row["variant"], ex, row[ex], time.perf_counter() - t0)
         set_scales(net, {k: st.base for k, st in stats.items()})
-    scale_pick = decide(scale_rows, SCALE_INCUMBENT)
+    scale_pick = {} if args.command_only else decide(scale_rows, SCALE_INCUMBENT)
     console.print(f"input scale: {scale_pick}")
+
+    # The command's own mse rule (statistics on its propagation pass, weight-only upstream): the check that the
+    # product matches the estimator measured above.
+    command_row: dict[str, Any] = {"variant": "nvfp4 --input-scale mse (the command)"}
+    for ex, dense_all in EXCLUSIONS:
+        t0 = time.perf_counter()
+        export = args.out / "exports" / f"input-scale-mse-{ex}"
+        opts = NVFP4LayerOptions(
+            smooth_alpha=picked["smooth_alpha"], smooth_groups=tuple(picked["smooth_groups"]), input_scale="mse"
+        )
+        run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
+        run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, _quiet())
+        command_row[ex] = score(load(export, device=dev, activations="fp4", kernels=False))
+        report = json.loads((export / "quant_report.json").read_text())
+        command_row[ex]["factors"] = {
+            f"{r['layer']}.{g}": v["factor"] for r in report["layers"] for g, v in r.get("input_scale", {}).items()
+        }
+        command_row[ex]["calibrate_s"] = report["timings_s"]["calibrate_and_quantize"]
+        _print(console, command_row["variant"], ex, command_row[ex], time.perf_counter() - t0)
+    scale_rows.append(command_row)
 
     result = {
         "model": str(MODEL.relative_to(ROOT)),

@@ -134,7 +134,9 @@ def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str, max_len: int) -> dict[str, Any]:
+def run_quantizer(
+    method: str, model: Path, calib: Path, out: Path, device: str, max_len: int, input_scale: str | None = None
+) -> dict[str, Any]:
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
@@ -152,7 +154,8 @@ def run_quantizer(method: str, model: Path, calib: Path, out: Path, device: str,
             run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
         else:
             run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
-            run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
+            layer = NVFP4LayerOptions() if input_scale is None else NVFP4LayerOptions(input_scale=input_scale)
+            run_nvfp4(model, out, [str(calib)], options, layer, run, console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
     timings = report["timings_s"]
@@ -216,6 +219,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smaller runs)")
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
+    ap.add_argument("--nvfp4-input-scale", choices=["max", "mse"], help="nvfp4's input-scale rule (default: its own)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
@@ -249,7 +253,7 @@ def main() -> None:
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             profiler.enable()
-        r = run_quantizer(method, model, calib, out, device, max_len)
+        r = run_quantizer(method, model, calib, out, device, max_len, args.nvfp4_input_scale)
         if profiler is not None:
             profiler.disable()
             args.out.mkdir(parents=True, exist_ok=True)

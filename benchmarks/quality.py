@@ -6,9 +6,12 @@ perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreeme
 
 * RTN W4 g128 symmetric (the baseline), salaquant GPTQ W4A16 with and without SmoothQuant (and with MSE scales);
 * salaquant NVFP4 default exclusions and dense-all, each with plain block scales and with the block-scale search;
-* ModelOpt NVFP4 fake-quant (``modelopt.torch.quantization``) on the same torch model, weight-only like the
-  exports above (``W4A16_NVFP4_CFG``, and ``NVFP4_AWQ_LITE_CFG`` with its input quantizers off), with exactly
-  the linears salaquant's NVFP4 export quantizes;
+* the NVFP4 exports with FP4 activations too (W4A4, as Blackwell GPUs run them: ``salaquant.runtime.load(path,
+  activations="fp4")``);
+* ModelOpt NVFP4 fake-quant (``modelopt.torch.quantization``) on the same torch model, with exactly the linears
+  salaquant's NVFP4 export quantizes: weight-only like the exports above (``W4A16_NVFP4_CFG``, and
+  ``NVFP4_AWQ_LITE_CFG`` with its input quantizers off), and W4A4 (``NVFP4_DEFAULT_CFG`` and
+  ``NVFP4_AWQ_LITE_CFG`` as they are, input quantizers calibrated on the same samples);
 * llm-compressor GPTQ W4A16 (with and without its SmoothQuant) and GPTQModel GPTQ W4A16, each run in its own
   virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``) and told to keep the
   linears salaquant's GPTQ export keeps in bf16 (``--ignore``); a peer that fails is recorded with its error
@@ -16,7 +19,8 @@ perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreeme
 
 Every export is read back by ``salaquant.model.loading.load_model`` (weights dequantized) and scored with
 ``salaquant.eval.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
-short samples (seconds; what the tests run).
+short samples (seconds; what the tests run). ``--only`` runs the rows whose name contains one of its strings
+(with the exports they need).
 
   python benchmarks/quality.py --out OUT [--llmc-venv /tmp/venv-llmc] [--gptqmodel-venv /tmp/venv-gptqmodel]
 """
@@ -123,9 +127,10 @@ def _modelopt_on_cpu() -> str | None:
 
 
 def modelopt_nvfp4(
-    model: Path, samples: list[torch.Tensor], quantized: set[str], awq_lite: bool
+    model: Path, samples: list[torch.Tensor], quantized: set[str], awq_lite: bool, w4a4: bool = False
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """ModelOpt's weight-only NVFP4 fake quantization of the same linears, calibrated on the same samples."""
+    """ModelOpt's NVFP4 fake quantization of the same linears, calibrated on the same samples: weight-only, or with
+    its input quantizers on (``w4a4``)."""
     import copy
 
     import modelopt
@@ -134,8 +139,13 @@ def modelopt_nvfp4(
     note = _modelopt_on_cpu()
 
     net = load_model(model).float()  # fp32 master weights: the fake-quant error is then ModelOpt's alone
-    cfg = copy.deepcopy(mtq.NVFP4_AWQ_LITE_CFG if awq_lite else mtq.W4A16_NVFP4_CFG)
-    cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    if w4a4:
+        cfg_name = "NVFP4_AWQ_LITE_CFG" if awq_lite else "NVFP4_DEFAULT_CFG"
+    else:
+        cfg_name = "NVFP4_AWQ_LITE_CFG" if awq_lite else "W4A16_NVFP4_CFG"
+    cfg = copy.deepcopy(getattr(mtq, cfg_name))
+    if not w4a4:
+        cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
     linears = {n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     for name in sorted(linears - quantized):
         cfg["quant_cfg"].append({"quantizer_name": f"{name}.*", "enable": False})
@@ -152,10 +162,13 @@ def modelopt_nvfp4(
         for n, m in net.named_modules()
         if n.endswith(".weight_quantizer") and getattr(m, "is_enabled", False)
     )
+    inputs = sum(
+        1 for n, m in net.named_modules() if n.endswith(".input_quantizer") and getattr(m, "is_enabled", False)
+    )
     info = {
         "modelopt": modelopt.__version__,
-        "config": "NVFP4_AWQ_LITE_CFG" if awq_lite else "W4A16_NVFP4_CFG",
-        "input_quantizers": "off (weight-only)",
+        "config": cfg_name,
+        "input_quantizers": f"{inputs} on (W4A4)" if w4a4 else "off (weight-only)",
         "quantized_linears": len(enabled),
         "same_linears_as_salaquant": set(enabled) == quantized,
         "quantize_s": round(time.perf_counter() - t0, 1),
@@ -197,6 +210,7 @@ def main() -> None:
     ap.add_argument("--llmc-venv", type=Path)
     ap.add_argument("--gptqmodel-venv", type=Path)
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
+    ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
     args = ap.parse_args()
     torch.manual_seed(0)
     console = Console()
@@ -219,7 +233,12 @@ def main() -> None:
     reference = load_model(model)
     rows: list[dict[str, Any]] = [{"variant": "bf16", "tool": "-", **_score(reference, reference, wins)}]
 
+    def wanted(name: str) -> bool:
+        return not args.only or any(k in name for k in args.only)
+
     def record(name: str, tool: str, build: Callable[[], tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+        if not wanted(name):
+            return
         t0 = time.perf_counter()
         try:
             net, info = build()
@@ -233,23 +252,39 @@ def main() -> None:
         done = f"ppl {r['ppl']:.3f}, KL {r['kl']:.4f}" if "ppl" in r else f"failed: {r['error']}"
         console.print(f"{name}: {done} ({r['seconds']} s)")
 
+    nvfp4_exports = {"nvfp4": "default", "nvfp4-da": "dense-all"}
+    nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt"))
     for name, folder, quantize in salaquant_variants(model, calib):
         path = args.out / folder
+        if not wanted(name) and not (folder in nvfp4_exports and nvfp4_wanted):
+            continue
 
         def build(quantize: Callable[[Path], object] = quantize, path: Path = path) -> tuple[torch.nn.Module, dict]:
             quantize(path)
             return load_model(path), {"path": str(path)}
 
-        record(name, "salaquant", build)
+        if wanted(name):
+            record(name, "salaquant", build)
+        else:
+            quantize(path)  # an export the NVFP4 rows below need
 
-    for exclusions, export in (("default", "nvfp4"), ("dense-all", "nvfp4-da")):
-        quantized = nvfp4_quantized_linears(args.out / export)
-        for awq in (False, True):
-            label = f"ModelOpt NVFP4 {'AWQ-lite' if awq else 'default'}, {exclusions} exclusions"
-            record(label, "ModelOpt", lambda q=quantized, a=awq: modelopt_nvfp4(model, samples, q, a))
+    from salaquant.runtime.load import load
+
+    for export, exclusions in nvfp4_exports.items():
+        if not (args.out / export / "config.json").exists():
+            continue
+        label = f"salaquant NVFP4 {exclusions} (search), W4A4"
+        path = args.out / export
+        record(label, "salaquant", lambda p=path: (load(p, activations="fp4", kernels=False), {"path": str(p)}))
+        quantized = nvfp4_quantized_linears(path)
+        for w4a4 in (False, True):
+            for awq in (False, True):
+                label = f"ModelOpt NVFP4 {'AWQ-lite' if awq else 'default'}, {exclusions} exclusions"
+                label += ", W4A4" if w4a4 else ""
+                record(label, "ModelOpt", lambda q=quantized, a=awq, w=w4a4: modelopt_nvfp4(model, samples, q, a, w))
 
     # The peers keep the same linears in bf16 as salaquant's GPTQ export (the ones gptq_marlin cannot serve).
-    ours_gptq, kept_regexes = gptq_linears(args.out / "gptq")
+    ours_gptq, kept_regexes = gptq_linears(args.out / "gptq") if (args.out / "gptq").exists() else (set(), [])
     peer_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
     peer_args += ["--max-len", str(args.max_len)] + (["--ignore", *kept_regexes] if kept_regexes else [])
     peers = [
@@ -327,6 +362,18 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             if mine is not None and theirs is not None:
                 verdict = "met" if mine < theirs else "missed"
                 out.append(f"NVFP4 {exclusions} {100 * mine:.2f}% vs ModelOpt {cfg} {100 * theirs:.2f}%: {verdict}")
+    by_name = {r["variant"]: r for r in rows if "ppl_increase" in r}
+    for exclusions in ("default", "dense-all"):
+        mine_row = by_name.get(f"salaquant NVFP4 {exclusions} (search), W4A4")
+        for cfg in ("default", "AWQ-lite"):
+            theirs_row = by_name.get(f"ModelOpt NVFP4 {cfg}, {exclusions} exclusions, W4A4")
+            if mine_row is None or theirs_row is None:
+                continue
+            ok = mine_row["ppl_increase"] < theirs_row["ppl_increase"] and mine_row["kl"] < theirs_row["kl"]
+            out.append(
+                f"NVFP4 W4A4 {exclusions}: {100 * mine_row['ppl_increase']:.2f}% KL {mine_row['kl']:.4f} vs ModelOpt "
+                f"{cfg} {100 * theirs_row['ppl_increase']:.2f}% KL {theirs_row['kl']:.4f}: {'met' if ok else 'missed'}"
+            )
     return out
 
 

@@ -334,6 +334,9 @@ def nvfp4_command(
     mse_max_shrink: Annotated[
         float, typer.Option(help="Smallest tried block scale = 1 - this.")
     ] = _NVFP4.nvfp4.mse_max_shrink,
+    input_scale: Annotated[
+        str, typer.Option(help="Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower).")
+    ] = _NVFP4.nvfp4.input_scale,
     smooth_alpha: SmoothAlpha = _NVFP4.smoothing.alpha,
     no_smooth: NoSmooth = not SMOOTH_BY_DEFAULT["nvfp4"],
     propagate: Propagate = _NVFP4.engine.propagate,
@@ -354,6 +357,7 @@ def nvfp4_command(
             "exclude": exclude or [],
             "mse_iters": mse_iters,
             "mse_max_shrink": mse_max_shrink,
+            "input_scale": input_scale,
         },
         "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
         "export": {"shard_size": shard_size},

@@ -86,6 +86,11 @@ class LayerResult:
     layer: nn.Module | None  # module to propagate through (None: the float layer)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # persisted in the work folder
     report: dict[str, Any] = field(default_factory=dict)  # json-able
+    # Inputs the quantizer still wants to see: module name in the layer -> a callback given that module's input on
+    # every chunk of the pass through ``layer`` (the propagation pass; with float propagation, one extra pass whose
+    # outputs are dropped). ``finish`` runs after that pass and may complete ``tensors`` and ``report``.
+    observe: dict[str, Callable[[torch.Tensor], None]] = field(default_factory=dict)
+    finish: Callable[[], None] | None = None
 
 
 class LayerQuantizer(Protocol):
@@ -519,9 +524,8 @@ class CalibrationEngine:
             assert collector is not None
             result = quantizer.quantize_layer(i, layer, collector.stats)
             timings["quantize"] += time.perf_counter() - t0
-            tensors = {k: v.detach().cpu() for k, v in (result.tensors or {"_empty": torch.zeros(0)}).items()}
-            files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = (tensors, result.report)
-        elif collector is not None:
+        files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        if quantizer is None and collector is not None:
             tensors = {
                 f"{g}.{k}": v
                 for g, st in collector.stats.items()
@@ -529,25 +533,44 @@ class CalibrationEngine:
                 if self.opts.save_hessians or not k.startswith("xtx")
             }
             files = (tensors, {"kind": layer.kind})
-        else:
-            files = None
 
-        if float_out is not None:
-            out = float_out
-        else:
-            t0 = time.perf_counter()
-            progress.phase(i, layer.kind, "propagate")
-            qlayer = result.layer if result.layer is not None else layer
-            if self.opts.attention_kernels and qlayer is not layer:
-                use_layer_kernels(qlayer)
-            wait_for_writer()
-            out = hs  # in place
-            for j, h in enumerate(hs):
-                self._run_sample(qlayer, h, out[j])
-                progress.sample_done(j, h.shape[1])
-            self._sync()
-            timings["propagate"] += time.perf_counter() - t0
-        del layer, result
+        qlayer = result.layer if result.layer is not None else layer
+        if self.opts.attention_kernels and qlayer is not layer:
+            use_layer_kernels(qlayer)
+        hooks = [
+            qlayer.get_submodule(name).register_forward_pre_hook(lambda _m, args, fn=fn: fn(args[0]))
+            for name, fn in result.observe.items()
+        ]
+        try:
+            if float_out is not None:
+                out = float_out
+                if hooks:  # the observers' own pass through the quantized layer
+                    t0 = time.perf_counter()
+                    progress.phase(i, layer.kind, "observe")
+                    for j, h in enumerate(hs):
+                        self._run_sample(qlayer, h, None)
+                        progress.sample_done(j, h.shape[1])
+                    self._sync()
+                    timings["propagate"] += time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                progress.phase(i, layer.kind, "propagate")
+                wait_for_writer()
+                out = hs  # in place
+                for j, h in enumerate(hs):
+                    self._run_sample(qlayer, h, out[j])
+                    progress.sample_done(j, h.shape[1])
+                self._sync()
+                timings["propagate"] += time.perf_counter() - t0
+        finally:
+            for handle in hooks:
+                handle.remove()
+        if quantizer is not None:
+            if result.finish is not None:
+                result.finish()
+            tensors = {k: v.detach().cpu() for k, v in (result.tensors or {"_empty": torch.zeros(0)}).items()}
+            files = (tensors, result.report)
+        del layer, result, qlayer
         log.info("layer %d (%s) done", i, cfg.mixer_types[i])
         return out, files
 

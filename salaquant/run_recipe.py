@@ -149,7 +149,11 @@ def _quantize(
         n = recipe.nvfp4
         alpha, groups = smoothing_for(recipe)
         layer4 = NVFP4LayerOptions(
-            mse_iters=n.mse_iters, mse_max_shrink=n.mse_max_shrink, smooth_alpha=alpha, smooth_groups=groups
+            mse_iters=n.mse_iters,
+            mse_max_shrink=n.mse_max_shrink,
+            smooth_alpha=alpha,
+            smooth_groups=groups,
+            input_scale=n.input_scale,
         )
         run4 = NVFP4RunOptions(
             dense_all=n.dense_all,

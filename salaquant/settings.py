@@ -100,6 +100,9 @@ class NVFP4Section(_Section):
     exclude: list[str] = Field(default_factory=list)
     mse_iters: int = Field(80, ge=0, le=10000)
     mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
+    input_scale: Literal["max", "mse"] = Field(
+        "max", description="activation global scale: ModelOpt's calibrated max, or the least-error multiple of it"
+    )
 
 
 class Engine(_Section):

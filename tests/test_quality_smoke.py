@@ -47,7 +47,7 @@ def test_quality_smoke(tmp_path: Path) -> None:
     rows = {r["variant"]: r for r in result["rows"]}
     assert rows["bf16"]["kl"] < 1e-9 and rows["bf16"]["top1"] == 1.0
     scored = [r for r in result["rows"] if r["tool"] in ("salaquant", "ModelOpt")]
-    assert len(scored) == 12
+    assert len(scored) == 18  # 8 salaquant exports, 2 of them also W4A4; ModelOpt 2 x 2 weight-only, 2 x 2 W4A4
     for r in scored:
         assert "error" not in r, r
         assert math.isfinite(r["ppl"]) and 0 < r["kl"] < 1 and 0.5 < r["top1"] < 1, r
@@ -63,3 +63,16 @@ def test_quality_smoke(tmp_path: Path) -> None:
     assert len(peers) == 3 and all("not run" in r["error"] and "setup_" in r["error"] for r in peers)
     assert any(line.startswith("GPTQ ppl increase") for line in result["targets"])
     assert "ModelOpt NVFP4 AWQ-lite, default exclusions" in proc.stdout
+    for exclusions in ("default", "dense-all"):
+        for cfg, name in (("default", "NVFP4_DEFAULT_CFG"), ("AWQ-lite", "NVFP4_AWQ_LITE_CFG")):
+            row = rows[f"ModelOpt NVFP4 {cfg}, {exclusions} exclusions, W4A4"]
+            assert row["config"] == name and row["input_quantizers"].endswith("on (W4A4)")
+            assert int(row["input_quantizers"].split()[0]) == row["quantized_linears"]
+            weight_only = rows[f"ModelOpt NVFP4 {cfg}, {exclusions} exclusions"]
+            assert weight_only["input_quantizers"] == "off (weight-only)"
+        # FP4 activations add error on top of the same weights
+        assert (
+            rows[f"salaquant NVFP4 {exclusions} (search), W4A4"]["kl"]
+            > rows[f"salaquant NVFP4 {exclusions} (search)"]["kl"]
+        )
+    assert sum(line.startswith("NVFP4 W4A4") for line in result["targets"]) == 4

@@ -4,7 +4,9 @@ Plugged into the calibration engine as its quantizer (statistics without full He
 weighs each input column by its mean x^2, the diagonal of the Hessian). Shared ``weight_scale_2`` and
 ``input_scale`` across every fused parameter (q/k/v, gate/up), block scales computed against the shared
 value, every scale folded (no ``pre_quant_scale``). The layer handed back carries the dequantized weights
-(weight-only fake quantization), so the next layer calibrates on quantized outputs.
+(weight-only fake quantization), so the next layer calibrates on quantized outputs. With the ``mse`` input-scale
+rule (``input_scale.py``) each input's scale is chosen on the propagation pass through that layer, which sees
+every calibration token's input to each quantized linear.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..model.modeling import DecoderLayer
 from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
 from ..stats import LayerStats
+from .input_scale import INPUT_SCALE_RULES, InputScaleSearch, search_stride
 from .plan import NVFP4Plan
 from .search import search_block_scales
 
@@ -39,6 +42,7 @@ class NVFP4LayerOptions:
     mse_max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink
     smooth_alpha: float | None = _SMOOTH[0]  # None: no smoothing
     smooth_groups: tuple[str, ...] = _SMOOTH[1]
+    input_scale: str = _DEFAULTS.nvfp4.input_scale  # "max" (ModelOpt's rule) or "mse"
 
 
 def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:
@@ -46,12 +50,18 @@ def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tens
 
 
 class NVFP4LayerQuantizer:
-    def __init__(self, config: SalaConfig, plan: NVFP4Plan, options: NVFP4LayerOptions) -> None:
+    def __init__(
+        self, config: SalaConfig, plan: NVFP4Plan, options: NVFP4LayerOptions, calibration_tokens: int = 0
+    ) -> None:
+        """``calibration_tokens``: the tokens every layer sees (sets the ``mse`` input-scale search's stride)."""
         if options.mse_iters < 0 or not 0.0 <= options.mse_max_shrink < 1.0:
             raise ValueError("--mse-iters must be >= 0 and --mse-max-shrink in [0, 1)")
+        if options.input_scale not in INPUT_SCALE_RULES:
+            raise ValueError(f"--input-scale {options.input_scale!r}: expected {' or '.join(INPUT_SCALE_RULES)}")
         self.config = config
         self.plan = plan
         self.opts = options
+        self.stride = search_stride(calibration_tokens)
 
     @torch.no_grad()
     def smooth(
@@ -95,9 +105,13 @@ class NVFP4LayerQuantizer:
                 amax = torch.stack([layer.get_submodule(m).weight.detach().float().abs().amax() for m in ms]).amax()
                 shared_ws2[fused] = global_scale(amax.clamp(min=_TINY))
 
+        searches: dict[str, tuple[InputScaleSearch, list[str]]] = {}
         for g in input_groups(self.config, layer.kind):
             absmax, msq = act[g.name]
             in_scale = input_scale(absmax.amax())
+            quantized = [m for m in g.members if prefix + m in self.plan.quantized]
+            if quantized and self.opts.input_scale == "mse":
+                searches[g.name] = (InputScaleSearch(in_scale, self.stride), quantized)
             for m in g.members:
                 mod = layer.get_submodule(m)
                 if prefix + m not in self.plan.quantized:
@@ -136,4 +150,17 @@ class NVFP4LayerQuantizer:
         for name, module in layer.named_modules():
             if name.endswith("norm") and hasattr(module, "weight"):
                 tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
-        return LayerResult(layer=layer, tensors=tensors, report=report)
+        result = LayerResult(layer=layer, tensors=tensors, report=report)
+        if searches:
+            result.observe = {members[0]: search.update for search, members in searches.values()}
+
+            def finish() -> None:
+                report["input_scale"] = {}
+                for group, (search, members) in searches.items():
+                    chosen = search.scale().float().cpu()
+                    for m in members:
+                        tensors[f"{m}.input_scale"] = chosen.clone()
+                    report["input_scale"][group] = search.report()
+
+            result.finish = finish
+        return result
