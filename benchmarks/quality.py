@@ -47,6 +47,7 @@ from salaquant.eval.perplexity import compare_models, windows
 from salaquant.model.checkpoint import CheckpointReader
 from salaquant.model.loading import load_model
 from salaquant.model.tiny import preset_config, write_random_checkpoint
+from salaquant.runtime.load import load
 from salaquant.workflow import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,8 +268,6 @@ def main() -> None:
             record(name, "salaquant", build)
         else:
             quantize(path)  # an export the NVFP4 rows below need
-
-    from salaquant.runtime.load import load
 
     for export, exclusions in nvfp4_exports.items():
         if not (args.out / export / "config.json").exists():
