@@ -83,6 +83,16 @@ def tiny_ckpt_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(out, preset_config("tiny"), seed=1, std=0.05, dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny SALA checkpoint in fp32 (fast on any CPU) with the shipped model's tokenizer."""
+    out = tmp_path_factory.mktemp("fp32") / "model"
+    write_random_checkpoint(out, preset_config("tiny", vocab_size=4096), seed=3, std=0.05, dtype=torch.float32)
+    for f in (Path(__file__).resolve().parents[1] / "models" / "sala-tiny").glob("*token*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip what the machine cannot run, by marker (registered in pyproject.toml).
 

@@ -13,7 +13,6 @@ from rich.console import Console
 from salaquant.calib_data import CalibOptions
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.model.checkpoint import CheckpointReader
-from salaquant.model.tiny import preset_config, write_random_checkpoint
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.input_scale import FACTORS, SEARCH_TOKENS, InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions
@@ -85,16 +84,6 @@ def test_stride_from_the_calibration_size() -> None:
     assert search_stride(SEARCH_TOKENS + 1) == 2 and search_stride(10 * SEARCH_TOKENS) == 10
     with pytest.raises(ValueError, match="stride"):
         InputScaleSearch(torch.tensor(1.0), stride=0)
-
-
-@pytest.fixture(scope="module")
-def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny SALA checkpoint in fp32 (fast on any CPU) with the shipped model's tokenizer."""
-    out = tmp_path_factory.mktemp("fp32") / "model"
-    write_random_checkpoint(out, preset_config("tiny", vocab_size=4096), seed=3, std=0.05, dtype=torch.float32)
-    for f in (ROOT / "models" / "sala-tiny").glob("*token*"):
-        (out / f.name).write_bytes(f.read_bytes())
-    return out
 
 
 @pytest.mark.parametrize("propagate", ["quantized", "float"])

@@ -9,6 +9,7 @@ per-layer errors; the thresholds; the report.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import time
@@ -370,6 +371,11 @@ def _name_outliers(result: dict[str, Any]) -> None:
             f"layer {i} ({e['kind']}) stands out: relative error {e['rel_err']:.4g} vs median "
             f"{layers['median_rel_err']:.4g}; its {e['worst_branch']} branch is off by {e[e['worst_branch']]:.4g} "
             f"(attention {e['attention']:.4g}, mlp {e['mlp']:.4g})"
+            + (
+                f"; its FP4 activations bring {100 * e['activation_share']:.0f}% of its error"
+                if e.get("activation_share") is not None and math.isfinite(e["activation_share"])
+                else ""
+            )
         )
 
 

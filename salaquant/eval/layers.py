@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..model.modeling import layer_rope
+from . import w4a4_split
 
 OUTLIER_FACTOR = 5.0
 OUTLIER_MIN_ERROR = 1e-3  # below this, no layer is called an outlier (e.g. a model against itself)
@@ -58,6 +59,15 @@ class LayerError:
     rel_err_branch: float
     attention: float
     mlp: float
+    weights_only: float | None = None  # W4A4 layers only
+    activations_only: float | None = None
+
+    @property
+    def activation_share(self) -> float | None:
+        if self.weights_only is None or self.activations_only is None:
+            return None
+        a2, w2 = self.activations_only**2, self.weights_only**2
+        return a2 / (a2 + w2) if a2 + w2 > 0 else (math.nan if math.isnan(a2 + w2) else 0.0)
 
     @property
     def worst_branch(self) -> str:
@@ -73,6 +83,9 @@ class LayerError:
             "attention": self.attention,
             "mlp": self.mlp,
             "worst_branch": self.worst_branch,
+            "weights_only": self.weights_only,
+            "activations_only": self.activations_only,
+            "activation_share": self.activation_share,
         }
 
 
@@ -107,13 +120,17 @@ def layer_errors(
     on_layer: Callable[[int], None] | None = None,
 ) -> list[LayerError]:
     """Relative error of every quantized decoder layer (and of its two branches) against the float one, on the
-    float model's hidden states."""
+    float model's hidden states; a W4A4 layer is also run with only its weights and only its activations
+    quantized."""
     config = reference.config
     layers_f, layers_q = reference.model.layers, quantized.model.layers
     results = []
     hidden = [reference.model.embed(w[None].to(device)) for w in wins]
     for i, (lf, lq) in enumerate(zip(layers_f, layers_q, strict=True)):
-        out, branch, attn, mlp = _Acc(), _Acc(), _Acc(), _Acc()
+        out, branch, attn, mlp, w_only, a_only = _Acc(), _Acc(), _Acc(), _Acc(), _Acc(), _Acc()
+        split = w4a4_split.is_w4a4(lq)
+        if split:
+            float_weights = w4a4_split.activations_only_weights(lf, lq, lf.kind, config)
         seen, seen_q = _Seen(), _Seen()
         hooks = [
             lf.self_attn.register_forward_hook(seen.attention_output),
@@ -131,11 +148,27 @@ def layer_errors(
                 branch.ref2 += float((y_f.float() - h.float()).pow(2).sum())
                 attn.add(seen_q.attention, seen.attention)  # both layers' own attention branch on h
                 mlp.add(lq.mlp(lq.post_attention_layernorm(seen.mid)), seen.mlp)
+                if split:
+                    with w4a4_split.weights_only(lq):
+                        w_only.add(lq(h, rope, None, attention_mode), y_f)
+                    with w4a4_split.activations_only(lq, float_weights):
+                        a_only.add(lq(h, rope, None, attention_mode), y_f)
                 hidden[j] = y_f
         finally:
             for handle in hooks:
                 handle.remove()
-        results.append(LayerError(i, lf.kind, out.rel, branch.rel, attn.rel, mlp.rel))
+        results.append(
+            LayerError(
+                i,
+                lf.kind,
+                out.rel,
+                branch.rel,
+                attn.rel,
+                mlp.rel,
+                w_only.rel if split else None,
+                a_only.rel if split else None,
+            )
+        )
         if on_layer is not None:
             on_layer(i)
     return results

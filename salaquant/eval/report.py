@@ -165,7 +165,10 @@ def render(result: dict[str, Any], console: Console) -> None:
     layers = result.get("layers")
     if layers and layers.get("layers"):
         t = Table(title="Per-layer relative error (quantized vs float layer, same input)")
-        for col in ("layer", "kind", "output", "vs branch", "attention", "mlp", ""):
+        split = any(e.get("activation_share") is not None for e in layers["layers"])
+        cols = ("layer", "kind", "output", "vs branch", "attention", "mlp")
+        cols += ("weights only", "FP4 acts only", "acts share") if split else ()
+        for col in (*cols, ""):
             t.add_column(col, justify="left" if col in ("layer", "kind", "") else "right")
         outl = set(layers["outliers"])
         worst = layers["worst"]
@@ -181,6 +184,7 @@ def render(result: dict[str, Any], console: Console) -> None:
                 _f(e["rel_err_branch"], ".4g"),
                 _f(e["attention"], ".4g"),
                 _f(e["mlp"], ".4g"),
+                *(_split_cells(e) if split else ()),
                 mark,
             )
         console.print(t)
@@ -193,6 +197,12 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"{tag} {c['name']}: {c['message']}", highlight=False)
     if checks:
         console.print("[green]all thresholds met[/]" if result["passed"] else "[bold red]thresholds missed[/]")
+
+
+def _split_cells(e: dict[str, Any]) -> tuple[str, str, str]:
+    if e.get("activation_share") is None:
+        return ("-", "-", "-")
+    return (_f(e["weights_only"], ".4g"), _f(e["activations_only"], ".4g"), _pct(e["activation_share"]))
 
 
 def _order(x: Any) -> float:
@@ -240,14 +250,19 @@ def write_png(result: dict[str, Any], folder: Path) -> Path:
             edgecolor=["red" if e["layer"] in outl else "none" for e in layers],
             linewidth=2,
         )
-        for part, marker in (("attention", "^"), ("mlp", "v")):
-            ax.scatter(xs, [_plot_value(e[part]) for e in layers], marker=marker, color="black", s=18, label=part)
+        parts = [("attention", "attention", "^", "black"), ("mlp", "mlp", "v", "black")]
+        if any(e.get("activation_share") is not None for e in layers):
+            parts += [("weights_only", "weights only", "x", "tab:green")]
+            parts += [("activations_only", "FP4 activations only", "o", "tab:red")]
+        for part, label, marker, color in parts:
+            ys_part = [_plot_value(e.get(part)) for e in layers]
+            ax.scatter(xs, ys_part, marker=marker, color=color, s=18, label=label)
         log = all(y > 0 for y in ys + [_plot_value(e[k]) for e in layers for k in ("attention", "mlp")])
         if log:
             ax.set_yscale("log")
         lo, hi = ax.get_ylim()
         ax.set_ylim(lo, hi * (6 if log else 1.25))  # room for the legend above the markers
-        ax.legend(title="branch alone", fontsize=8, loc="upper center", ncol=2)
+        ax.legend(title="branch / quantized part alone", fontsize=8, loc="upper center", ncol=2)
         ax.set_xticks(xs)
         ax.set_xlabel("decoder layer (orange: minicpm4, blue: lightning; red edge: outlier)")
         ax.set_ylabel("relative error: bars ||y_q - y_f|| / ||y_f||")
