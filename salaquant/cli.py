@@ -457,6 +457,11 @@ def recipes() -> None:
 def generate(
     model: Annotated[Path, typer.Argument(help="A bf16, GPTQ or NVFP4 SALA checkpoint folder.")],
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The",
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="A file of prompts (one per line, or JSONL): each continuation is printed as a JSON line."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Prompts decoded together (with --prompts).", min=1)] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 40,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Sample from the k most likely tokens only (0: all).")] = 0,
@@ -468,39 +473,63 @@ def generate(
     attention_kernels: Annotated[
         bool, typer.Option(help="Run GLA / sparse attention with salaquant.kernels (Triton on CUDA).")
     ] = True,
+    graphs: Annotated[bool, typer.Option(help="Replay each decode step as a CUDA graph (CUDA only).")] = True,
 ) -> None:
-    """Completion with the runtime (greedy unless --temperature): a quick check that a checkpoint loads and talks."""
+    """Completion with the runtime (greedy unless --temperature): a quick check that a checkpoint loads and talks,
+    or, with --prompts, batched generation over a file of prompts."""
+    import json
     import time
 
     import torch
 
+    from .calib_data import CalibrationError
     from .engine import resolve_device
+    from .eval.generation import load_prompts
+    from .model.checkpoint import CheckpointReader
+    from .model.config import ATTENTION_MODES
     from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling
+    from .runtime.decode import Decoder
     from .runtime.load import checkpoint_format, load
     from .workflow import load_tokenizer
 
+    if attention not in ATTENTION_MODES:
+        fail(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_MODES)}")
+    if max_new_tokens < 1:
+        fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     try:
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        tok = load_tokenizer(model)
+        texts = [prompt] if prompts is None else load_prompts(prompts, tok)
         dev = resolve_device(device)
         net = load(model, device=dev, backend=backend, kernels=attention_kernels)
-        tok = load_tokenizer(model)
-    except (ValueError, CheckpointError, RuntimeError, OSError) as exc:
+    except (ValueError, CheckpointError, CalibrationError, RuntimeError, OSError) as exc:
         fail(str(exc))
-    ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
-    t0 = time.perf_counter()
+    ids = [torch.tensor(tok(t)["input_ids"], dtype=torch.long) for t in texts]
+    if any(len(i) == 0 for i in ids):
+        fail(f"prompt {[len(i) for i in ids].index(0)} has no tokens")
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+    dec = Decoder(net, graphs=graphs, attention_mode=attention)
+    eos = tok.eos_token_id
+    t0 = time.perf_counter()
+    outs: list[torch.Tensor] = []
     try:
-        with torch.no_grad():
-            out = net.generate(ids, max_new_tokens, sampling, generator=generator, attention_mode=attention)
+        for i in range(0, len(ids), batch_size):
+            outs += dec.generate(
+                ids[i : i + batch_size], max_new_tokens, sampling, generator=generator, eos_token_id=eos
+            )
     except NonFiniteLogits as exc:
         fail(f"{model}: {exc}; no text is printed")
     seconds = time.perf_counter() - t0
-    from .model.checkpoint import CheckpointReader
-
     fmt = checkpoint_format(CheckpointReader(model))
-    err.print(f"[dim]{model} ({fmt}) on {dev}, {seconds:.2f} s[/]")
-    sys.stdout.write(prompt + tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) + "\n")
+    made = sum(len(o) for o in outs)
+    err.print(f"[dim]{model} ({fmt}) on {dev}: {made} tokens for {len(ids)} prompt(s) in {seconds:.2f} s[/]")
+    if prompts is None:
+        sys.stdout.write(prompt + tok.decode(outs[0], skip_special_tokens=True) + "\n")
+        return
+    for text, out in zip(texts, outs, strict=True):
+        completion = tok.decode(out, skip_special_tokens=True)
+        sys.stdout.write(json.dumps({"prompt": text, "completion": completion, "tokens": len(out)}) + "\n")
 
 
 @app.command("eval")

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..formats.modelopt_nvfp4.numerics import NVFP4Weight, quantize_activations
 from ..model.config import SalaConfig
-from ..model.layout import input_groups
+from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..runtime.linear import NVFP4Linear
 
 
@@ -50,7 +50,20 @@ def is_w4a4(layer: nn.Module) -> bool:
     return any(isinstance(m, NVFP4Linear) and m.input_scale is not None for m in layer.modules())
 
 
-def _export_weight(module: nn.Module) -> torch.Tensor:
+def _weight(layer: nn.Module, name: str) -> torch.Tensor:
+    """fp32 ``[out, in]`` weight of the linear ``name`` of a decoder layer (dequantized if NVFP4), also when the
+    runtime fused it into ``qkv_proj`` / ``gate_up_proj`` (its rows of the fused weight)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = layer.get_submodule(parent_name)
+    if child in parent._modules:
+        return _module_weight(parent.get_submodule(child))
+    fused = FUSED_OF[name]
+    members = FUSED_PARAMETERS[fused]
+    rows = _module_weight(layer.get_submodule(fused)).split(parent.fused_sizes, 0)
+    return rows[members.index(name)]
+
+
+def _module_weight(module: nn.Module) -> torch.Tensor:
     if isinstance(module, NVFP4Linear):
         return NVFP4Weight(module.weight, module.weight_scale, module.weight_scale_2).dequantize()
     return module.weight.detach().float()
@@ -74,8 +87,8 @@ def smoothing_scales(
         elif g.producer == "rows":
             # the producer's rows were divided by s after its own input columns were scaled by its group's s
             (own,) = [h for h in input_groups(config, kind) if g.source in h.members]
-            a = float_layer.get_submodule(g.source).weight.float() * scales[own.name][None, :]
-            q = _export_weight(export_layer.get_submodule(g.source))
+            a = _weight(float_layer, g.source) * scales[own.name][None, :]
+            q = _weight(export_layer, g.source)
             scales[g.name] = _ratio(a.pow(2).sum(1), (a * q).sum(1))
     return scales
 
@@ -84,21 +97,25 @@ def smoothing_scales(
 def activations_only_weights(
     float_layer: nn.Module, export_layer: nn.Module, kind: str, config: SalaConfig
 ) -> dict[str, torch.Tensor]:
-    """For every NVFP4 linear of the export layer, the float weight in the export's smoothed basis."""
+    """For every NVFP4 linear of the export layer (a fused one included), the float weight in the export's
+    smoothed basis."""
     scales = smoothing_scales(float_layer, export_layer, kind, config)
     groups = input_groups(config, kind)
     rows_of = {g.source: scales[g.name] for g in groups if g.producer == "rows"}
+    group_of = {m: g.name for g in groups for m in g.members}
+
+    def smoothed(member: str) -> torch.Tensor:
+        w = _weight(float_layer, member)
+        if group_of[member] in scales:
+            w = w * scales[group_of[member]][None, :]
+        if member in rows_of:
+            w = w / rows_of[member][:, None]
+        return w
+
     out: dict[str, torch.Tensor] = {}
-    for g in groups:
-        for name in g.members:
-            if not isinstance(export_layer.get_submodule(name), NVFP4Linear):
-                continue
-            w = float_layer.get_submodule(name).weight.float()
-            if g.name in scales:
-                w = w * scales[g.name][None, :]
-            if name in rows_of:
-                w = w / rows_of[name][:, None]
-            out[name] = w
+    for name, module in export_layer.named_modules():
+        if isinstance(module, NVFP4Linear):
+            out[name] = torch.cat([smoothed(m) for m in FUSED_PARAMETERS.get(name, (name,))], 0)
     return out
 
 

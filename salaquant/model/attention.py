@@ -18,6 +18,7 @@ from .config import SalaConfig
 from .gla import alibi_slopes, simple_gla
 from .layers import RMSNorm, apply_rope
 from .sparse_attention import SparseParams, compress_keys, extend_compressed, infllm_v2_attention
+from .static_cache import StaticLightningCache, StaticSparseCache, decode_attention
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,6 +42,15 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         bias = causal_lower_right(tq, tk)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+def project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of ``x`` ``[B, T, *]``: from one fused ``qkv_proj`` where the runtime made one (its output split by
+    ``fused_sizes``, each part contiguous so that no cache keeps the whole product alive), else from the three
+    linears."""
+    if "qkv_proj" in attn._modules:
+        return tuple(p.contiguous() for p in attn.qkv_proj(x).split(attn.fused_sizes, dim=-1))  # type: ignore[return-value]
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
 class SparseAttention(nn.Module):
@@ -82,19 +92,32 @@ class SparseAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: RopeTables | None,
-        cache: SparseLayerCache | None = None,
+        cache: SparseLayerCache | StaticSparseCache | None = None,
         mode: str = "auto",
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             assert rope is not None
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        scale = self.head_dim**-0.5
+        if isinstance(cache, StaticSparseCache):
+            out = decode_attention(q, k, v, cache, self.sparse, self.dense_len, mode)
+        else:
+            out = self._attend(q, k, v, cache, mode, scale)
+        out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
+        if self.use_gate:
+            out = out * torch.sigmoid(self.o_gate(x))
+        return self.o_proj(out)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SparseLayerCache | None, mode: str, scale: float
+    ) -> torch.Tensor:
         if cache is not None:
             k, v = cache.append(k, v)
-        scale = self.head_dim**-0.5
         if self.use_sparse(k.shape[1], mode):
             assert self.sparse is not None
             k1 = k2 = None
@@ -111,13 +134,8 @@ class SparseAttention(nn.Module):
                     else extend_compressed(k, cache.k2, p.kernel_size2, p.kernel_stride2)
                 )
                 k1, k2 = cache.k1, cache.k2
-            out = self.sparse_fn(q, k, v, self.sparse, k1=k1, k2=k2)
-        else:
-            out = dense_causal_attention(q, k, v, scale)
-        out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
-        if self.use_gate:
-            out = out * torch.sigmoid(self.o_gate(x))
-        return self.o_proj(out)
+            return self.sparse_fn(q, k, v, self.sparse, k1=k1, k2=k2)
+        return dense_causal_attention(q, k, v, scale)
 
 
 class LightningAttention(nn.Module):
@@ -146,18 +164,27 @@ class LightningAttention(nn.Module):
         if self.use_gate:
             self.z_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.gla_fn = simple_gla  # the reference; the runtime binds a backend (use_layer_kernels)
+        self._decay: dict[torch.device, torch.Tensor] = {}
+
+    def _g_gamma(self, device: torch.device) -> torch.Tensor:
+        """``-alibi_slopes(H)`` on ``device``, made once (a host-to-device copy per call could not be captured in a
+        CUDA graph)."""
+        if device not in self._decay:
+            self._decay[device] = -alibi_slopes(self.num_heads).to(device)
+        return self._decay[device]
 
     def forward(
         self,
         x: torch.Tensor,
         rope: RopeTables | None,
-        cache: LightningLayerCache | None = None,
+        cache: LightningLayerCache | StaticLightningCache | None = None,
         mode: str = "auto",
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -174,7 +201,7 @@ class LightningAttention(nn.Module):
             q,
             k,
             v,
-            -alibi_slopes(self.num_heads).to(x.device),
+            self._g_gamma(x.device),
             self.scale,
             initial_state=state,
             output_final_state=cache is not None,

@@ -46,6 +46,13 @@ class SalaCache:
     def for_config(cls, config: SalaConfig) -> SalaCache:
         return cls(layers=[LightningLayerCache() if m == LIGHTNING else SparseLayerCache() for m in config.mixer_types])
 
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """Positions ``[t]`` of the next ``t`` tokens."""
+        return torch.arange(self.seen_tokens, self.seen_tokens + t, device=device)
+
+    def advance(self, t: int) -> None:
+        self.seen_tokens += t
+
     # transformers' generation utilities ask caches for these
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

@@ -23,7 +23,8 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; gate and up from one fused ``gate_up_proj`` (output split by
+    ``fused_sizes``) where the runtime made one."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -32,6 +33,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up_proj" in self._modules:
+            gate, up = self.gate_up_proj(x).split(self.fused_sizes, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -13,16 +13,22 @@ from .cache import SalaCache
 from .config import ATTENTION_MODES, LIGHTNING, SalaConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
 from .sampling import Sampling, next_token
+from .static_cache import StaticCache
 
 
 def layer_rope(config: SalaConfig, kind: str, start: int, length: int, device: torch.device | str):
     """cos/sin for positions [start, start+length) of layers of the given kind (None when they use no RoPE)."""
+    return rope_at(config, kind, torch.arange(start, start + length, device=device))
+
+
+def rope_at(config: SalaConfig, kind: str, positions: torch.Tensor):
+    """cos/sin ``[T, D]`` (or ``[B, T, D]`` for per-row ``positions [B, T]``) of layers of the given kind; None
+    when they use no RoPE."""
     use = config.lightning_use_rope if kind == LIGHTNING else config.attn_use_rope
     if not use:
         return None
     head_dim = config.lightning_head_dim if kind == LIGHTNING else config.head_dim
     factor = float(config.rope_scaling.get("factor", 1.0)) if config.rope_scaling else 1.0
-    positions = torch.arange(start, start + length, device=device)
     return rope_cos_sin(positions, head_dim, config.rope_theta, factor)
 
 
@@ -57,9 +63,6 @@ class SalaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def rope_tables(self, start: int, length: int, device: torch.device, kind: str):
-        return layer_rope(self.config, kind, start, length, device)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.config.scale_emb
 
@@ -67,9 +70,11 @@ class SalaModel(nn.Module):
         self,
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache: SalaCache | None = None,
+        cache: SalaCache | StaticCache | None = None,
         attention_mode: str = "auto",
     ) -> torch.Tensor:
+        """Final-norm hidden states; with a cache, the tokens continue each row's cached ones (a `StaticCache`
+        takes one token per row, at each row's own position)."""
         if attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode {attention_mode!r}: expected one of {ATTENTION_MODES}")
         if inputs_embeds is None:
@@ -77,14 +82,14 @@ class SalaModel(nn.Module):
                 raise ValueError("pass input_ids or inputs_embeds")
             inputs_embeds = self.embed(input_ids)
         h = inputs_embeds
-        start = cache.seen_tokens if cache is not None else 0
         t = h.shape[1]
-        tables = {kind: self.rope_tables(start, t, h.device, kind) for kind in set(self.config.mixer_types)}
+        positions = cache.positions(t, h.device) if cache is not None else torch.arange(t, device=h.device)
+        tables = {kind: rope_at(self.config, kind, positions) for kind in set(self.config.mixer_types)}
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             h = layer(h, tables[layer.kind], layer_cache, attention_mode)
         if cache is not None:
-            cache.seen_tokens += t
+            cache.advance(t)
         return self.norm(h)
 
 
@@ -92,7 +97,7 @@ class SalaModel(nn.Module):
 class CausalLMResult:
     logits: torch.Tensor
     loss: torch.Tensor | None
-    cache: SalaCache | None
+    cache: SalaCache | StaticCache | None
 
 
 def lm_logits(config: SalaConfig, lm_head: nn.Module, normed: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,7 @@ class SalaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
-        cache: SalaCache | None = None,
+        cache: SalaCache | StaticCache | None = None,
         attention_mode: str | None = None,
     ) -> CausalLMResult:
         normed = self.model(input_ids, cache=cache, attention_mode=attention_mode or self.attention_mode)

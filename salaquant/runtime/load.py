@@ -12,6 +12,7 @@ from ..model.config import SalaConfig
 from ..model.layout import parameter_shapes
 from ..model.loading import _check_keys, require_finite, resolve_dtype
 from ..model.modeling import SalaForCausalLM
+from .fuse import fuse_projections
 from .linear import GPTQLinear, NVFP4Linear
 
 ACTIVATIONS = ("bf16", "fp4")
@@ -68,6 +69,7 @@ def load(
     backend: str = "auto",
     kernels: bool = True,
     activations: str = "bf16",
+    fuse: bool = True,
 ) -> SalaForCausalLM:
     """Load a bf16, GPTQ or NVFP4 checkpoint (detected from its config) into ``SalaForCausalLM``.
 
@@ -76,7 +78,8 @@ def load(
     through ``salaquant.kernels`` too (Triton on CUDA tensors, the PyTorch references elsewhere; both pass
     the same tests); ``kernels=False`` keeps the model's own PyTorch attention code. ``activations="fp4"`` runs an
     NVFP4 export W4A4, as Blackwell serves it: each NVFP4 linear quantizes its inputs with the export's
-    ``input_scale`` (``"bf16"``, the default, keeps them 16-bit: the weight-only path of older GPUs).
+    ``input_scale`` (``"bf16"``, the default, keeps them 16-bit: the weight-only path of older GPUs). With ``fuse``
+    q/k/v and gate/up run as one linear each (``runtime.fuse``), as the serving engines run them.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -139,6 +142,8 @@ def load(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"{path}: parameters left unloaded: {missing[:5]}")
+    if fuse:
+        fuse_projections(model)
     if kernels:
         use_kernels(model, backend)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,95 @@
+"""Fused projections, as the serving engines run them: q/k/v as one ``qkv_proj``, gate/up as one ``gate_up_proj``.
+
+A decode step then runs one 4-bit matrix product where it ran three (or two), at the fused shapes the kernels are
+tuned for (4096 -> 6144 / 12288 and 4096 -> 32768 at SALA's size). Each fused linear is its members' output
+columns stacked in ``FUSED_PARAMETERS`` order, so its output splits back into theirs:
+
+* bf16: the weights concatenated along the output rows;
+* GPTQ (v1 layout, ``qweight [in * bits / 32, out]``, ``scales [in / group, out]``): ``qweight`` and ``scales``
+  concatenated along their output columns; members must share bits and group size;
+* NVFP4 (``weight [out, in / 2]``, ``weight_scale [out, in / 16]``): both concatenated along the output rows;
+  members must share ``weight_scale_2`` and ``input_scale`` (the export writes them shared).
+
+Members that differ in kind or in those settings stay unfused. The exported files are read unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.layout import FUSED_PARAMETERS
+from .linear import GPTQLinear, NVFP4Linear
+
+
+def _same(tensors: list[torch.Tensor | None]) -> bool:
+    first = tensors[0]
+    if first is None:
+        return all(t is None for t in tensors)
+    return all(t is not None and torch.equal(t, first) for t in tensors[1:])
+
+
+def fuse_linears(members: list[nn.Module]) -> nn.Module | None:
+    """One linear computing ``cat([m(x) for m in members], -1)``, or None when the members cannot share one."""
+    first = members[0]
+    if all(type(m) is nn.Linear for m in members):
+        if any(m.bias is not None for m in members) or len({m.weight.dtype for m in members}) > 1:
+            return None
+        weight = torch.cat([m.weight.detach() for m in members], 0)
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        return fused
+    if all(isinstance(m, GPTQLinear) for m in members):
+        assert isinstance(first, GPTQLinear)
+        if any((m.bits, m.group_size, m.backend) != (first.bits, first.group_size, first.backend) for m in members):
+            return None
+        return GPTQLinear(
+            torch.cat([m.qweight for m in members], 1),
+            torch.cat([m.scales for m in members], 1),
+            first.bits,
+            first.group_size,
+            first.backend,
+        )
+    if all(isinstance(m, NVFP4Linear) for m in members):
+        assert isinstance(first, NVFP4Linear)
+        if not _same([m.weight_scale_2 for m in members]) or not _same([m.input_scale for m in members]):
+            return None
+        if any(m.backend != first.backend for m in members):
+            return None
+        return NVFP4Linear(
+            torch.cat([m.weight for m in members], 0),
+            torch.cat([m.weight_scale for m in members], 0),
+            first.weight_scale_2,
+            first.backend,
+            first.input_scale,
+        )
+    return None
+
+
+def fuse_layer(layer: nn.Module) -> list[str]:
+    """Replace each fusable group of the decoder layer by its fused linear; returns the fused names made."""
+    made = []
+    for fused_name, member_names in FUSED_PARAMETERS.items():
+        parent_name, _, child = fused_name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        names = [m.rpartition(".")[2] for m in member_names]
+        if not all(n in parent._modules for n in names):
+            continue
+        fused = fuse_linears([parent.get_submodule(n) for n in names])
+        if fused is None:
+            continue
+        parent.add_module(child, fused)
+        parent.fused_sizes = tuple(_out_features(parent.get_submodule(n)) for n in names)
+        for n in names:
+            del parent._modules[n]
+        made.append(fused_name)
+    return made
+
+
+def fuse_projections(model: nn.Module) -> list[str]:
+    """``fuse_layer`` on every decoder layer; returns ``model.layers.i.<fused>`` for each fused linear made."""
+    return [f"model.layers.{i}.{name}" for i, layer in enumerate(model.model.layers) for name in fuse_layer(layer)]
+
+
+def _out_features(m: nn.Module) -> int:
+    return int(m.out_features)

@@ -1,0 +1,29 @@
+"""``benchmarks/decode.py`` in its CPU smoke form: the three formats load, decode three ways and land in the tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_benchmark_smoke(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--out", str(tmp_path / "out")]
+    cmd += ["--preset", "tiny", "--context", "40", "--new-tokens", "4", "--batches", "3", "--batch-context", "24"]
+    cmd += ["--long", "300", "--device", "cpu", "--profile", "--scratch", str(tmp_path / "scratch")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "decode.json").read_text())
+    assert list(res["rows"]) == ["bf16", "GPTQ W4A16", "NVFP4"]
+    for name, row in res["rows"].items():
+        assert row["before_tokens_per_s"] > 0 and row["prefill_long_s"] > 0 and row["prefill_16_s"] > 0, name
+        for way in ("eager", "graph"):
+            r = row[way]
+            assert r["decode_tokens_per_s"] > 0, (name, way)
+            assert abs(r["ms_per_step"] * r["decode_tokens_per_s"] / 1000 - 1) < 0.02, (name, way)  # batch 1
+        assert row["batches"]["3"]["decode_tokens_per_s"] > 0
+        assert row["profile"]["wall_ms_per_step"] > 0
+    assert not (tmp_path / "scratch").exists()  # the checkpoints are removed
