@@ -15,6 +15,7 @@ from salaquant.model.checkpoint import CheckpointError, CheckpointReader, save_s
 from salaquant.model.config import ConfigError, SalaConfig
 from salaquant.model.layers import apply_rope, rope_cos_sin
 from salaquant.model.loading import load_layer, load_model
+from salaquant.model.modeling import layer_rope
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
@@ -121,7 +122,7 @@ def test_layer_by_layer_equals_whole_model(tiny_ckpt: Path) -> None:
     model = load_model(tiny_ckpt, dtype="fp32")
     ids = torch.randint(0, 264, (1, 30))
     h = model.model.embed(ids)
-    rope = {k: model.model.rope_tables(0, 30, h.device, k) for k in set(cfg.mixer_types)}
+    rope = {k: layer_rope(cfg, k, 0, 30, h.device) for k in set(cfg.mixer_types)}
     for i in range(cfg.num_hidden_layers):
         layer = load_layer(reader, cfg, i, dtype="fp32")
         h = layer(h, rope[layer.kind], None, "dense")

@@ -67,7 +67,7 @@ def test_bf16_checkpoint_equals_loader() -> None:
 
 @pytest.mark.parametrize(("fmt", "cls"), [("gptq", GPTQLinear), ("nvfp4", NVFP4Linear)])
 def test_quantized_checkpoint_runs_from_packed_weights(exports, fmt: str, cls: type) -> None:
-    rt = load(exports[fmt])
+    rt = load(exports[fmt], fuse=False)  # one module per exported linear (tests/test_decode.py: fused alike)
     packed = [m for m in rt.modules() if isinstance(m, cls)]
     assert len(packed) >= 40  # every quantized decoder linear runs from its packed tensors
     ids = torch.randint(3, 4096, (1, 96), generator=torch.Generator().manual_seed(1))
@@ -120,7 +120,7 @@ def test_nvfp4_w4a4_quantizes_each_linear_input_as_modelopt(exports) -> None:
 
     path = exports["nvfp4"]
     reader = CheckpointReader(path)
-    rt = load(path, activations="fp4")
+    rt = load(path, activations="fp4", fuse=False)  # per exported linear
     packed = {n: m for n, m in rt.named_modules() if isinstance(m, NVFP4Linear)}
     assert len(packed) >= 40 and all(m.input_scale is not None for m in packed.values())
     dense = load_model(path)

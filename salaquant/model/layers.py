@@ -6,20 +6,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.backend import use_triton
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "reference") -> torch.Tensor:
+    """RMSNorm as SALA computes it: fp32 variance, normalise, cast back, then multiply by the weight. ``backend``
+    (``salaquant.kernels.backend.use_triton``) runs this code or the one-kernel Triton version
+    (``salaquant.kernels.rmsnorm``)."""
+    if use_triton(backend, x, weight):
+        from ..kernels.rmsnorm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(variance + eps)).to(dtype) * weight
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm as SALA computes it: fp32 variance, normalise, cast back, then multiply by the weight."""
+    """``rms_norm`` over the last dimension; the runtime may set ``backend`` (``use_layer_kernels``)."""
 
     def __init__(self, size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.backend = "reference"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.to(torch.float32)
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        return (xf * torch.rsqrt(variance + self.eps)).to(dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
 class MLP(nn.Module):

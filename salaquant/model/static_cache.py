@@ -69,8 +69,12 @@ class StaticCache:
     def allocate(
         cls, config: SalaConfig, batch: int, capacity: int, device: torch.device | str, dtype: torch.dtype
     ) -> StaticCache:
+        """Zeroed buffers for ``batch`` rows of ``capacity`` positions (at least one K2 window's worth, so that the
+        pooling of a window's keys always reads inside the buffer)."""
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
+        if sparse is not None:
+            capacity = max(capacity, sparse.kernel_size2)
         layers: list[StaticSparseCache | StaticLightningCache] = []
         for kind in config.mixer_types:
             if kind == LIGHTNING:

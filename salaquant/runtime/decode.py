@@ -196,7 +196,7 @@ class Decoder:
         bad = ~torch.stack(finite, dim=1).cpu()
         if bool(bad.any()):
             row, step = (int(x) for x in bad.nonzero()[0])
-            raise NonFiniteLogits(f"the model gives NaN/Inf logits for prompt {row} at generated token {step}")
+            raise NonFiniteLogits(f"the model gives NaN/Inf logits at generated token {step} (prompt {row})")
         return [_cut(t, eos_token_id) for t in tokens]
 
 

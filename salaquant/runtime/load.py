@@ -9,6 +9,7 @@ from torch import nn
 
 from ..model.checkpoint import CheckpointReader
 from ..model.config import SalaConfig
+from ..model.layers import RMSNorm
 from ..model.layout import parameter_shapes
 from ..model.loading import _check_keys, require_finite, resolve_dtype
 from ..model.modeling import SalaForCausalLM
@@ -44,11 +45,14 @@ def checkpoint_format(reader: CheckpointReader) -> str:
 
 
 def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
-    """Route one decoder layer's GLA and sparse attention through ``salaquant.kernels`` by ``backend`` (``"auto"``:
-    Triton on CUDA tensors, the PyTorch references elsewhere): the model's dispatchers with it bound."""
+    """Route one decoder layer's norms, GLA and sparse attention through ``salaquant.kernels`` by ``backend``
+    (``"auto"``: Triton on CUDA tensors, the PyTorch references elsewhere): the model's dispatchers with it bound."""
     from ..model.gla import simple_gla
     from ..model.sparse_attention import infllm_v2_attention
 
+    for m in layer.modules():
+        if isinstance(m, RMSNorm):
+            m.backend = backend
     attn = layer.self_attn
     if hasattr(attn, "gla_fn"):
         attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
