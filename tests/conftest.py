@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 
+# Under pytest-xdist each worker takes one core of its own: torch's default of one thread per core in every
+# worker would oversubscribe the machine (the CPU suite runs as `pytest -n 2`).
+if os.environ.get("PYTEST_XDIST_WORKER") and (os.cpu_count() or 1) <= int(os.environ["PYTEST_XDIST_WORKER_COUNT"]):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
