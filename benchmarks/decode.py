@@ -7,9 +7,10 @@ sample (speed depends on the format, not on how the weights were chosen), then f
 
 * **batch 1** after a ``--context``-token prompt, ``--new-tokens`` greedy tokens three ways, in the same run:
   ``before`` (the model's own ``generate``: unfused projections, a growing cache, eager), ``eager`` (fused
-  projections and the static cache, eager) and ``graph`` (the same step replayed as a CUDA graph); the graph is
-  captured by a first call and timed on a second, and the capture time is reported apart;
-* **batches** ``--batches`` of ``--batch-context``-token prompts: aggregate decode tokens/s with graphs;
+  projections and the static cache, eager), ``graph`` (the same step replayed as a CUDA graph) and ``compiled``
+  (the step compiled by ``torch.compile``, then captured); each graph is captured by a first call and timed on a
+  second, and the compile and capture time is reported apart;
+* **batches** ``--batches`` of ``--batch-context``-token prompts: aggregate decode tokens/s, compiled;
 * **prefill** of one ``--long``-token prompt (the sparse path) and of 16 x 4,096 tokens: seconds;
 * with ``--profile``, where a batch-1 decode step's GPU time goes (torch.profiler over eager steps, kernels
   grouped as GEMM / attention / norms and element-wise / other) and the host time per eager step.
@@ -130,16 +131,16 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    dec.graphs = False
-    dec.generate([prompt], steps + 2)  # sizes the static state and warms every kernel
+    dec.generate([prompt], steps + 2)  # sizes the static state, compiles and warms every kernel
     state, _ = dec._state(1, len(prompt) + steps + 2)
+    step = dec.step_fn()
     state.cache.lengths.fill_(len(prompt))
-    wall = _timed(lambda: [dec._step(state) for _ in range(steps)], device) / steps  # unprofiled
+    wall = _timed(lambda: [step(state) for _ in range(steps)], device) / steps  # unprofiled
     state.cache.lengths.fill_(len(prompt))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            dec._step(state)
+            step(state)
         _sync(device)
     groups: dict[str, float] = {name: 0.0 for name, _ in _GROUPS} | {"other": 0.0}
     kernels: dict[str, float] = {}
@@ -154,8 +155,7 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
         groups[next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")] += t
     per = 1e-3 / steps  # profiler microseconds over all steps -> ms per step
     gpu = sum(groups.values()) * per
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    dec.graphs = True
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     return {
         "wall_ms_per_step": round(1000 * wall, 3),
         "gpu_ms_per_step": round(gpu, 3),
@@ -176,16 +176,22 @@ def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     gc.collect()
     model = load(path, device=dev)
     row["eager"] = decoder_rates(Decoder(model, graphs=False), [prompt], args.new_tokens)
-    dec = Decoder(model)
-    row["graph"] = decoder_rates(dec, [prompt], args.new_tokens)
+    row["graph"] = decoder_rates(Decoder(model), [prompt], args.new_tokens)
+    dec = Decoder(model, compile=True)
+    row["compiled"] = decoder_rates(dec, [prompt], args.new_tokens)
     if args.profile:
         row["profile"] = profile_step(Decoder(model), prompt, dev)
+        row["profile_compiled"] = profile_step(dec, prompt, dev)
+    from torch._dynamo.utils import counters
+
+    row["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
+    print(f"  batch 1: {row}", flush=True)
     row["batches"] = {}
     for b in args.batches:
         prompts = [_ids(args.batch_context, vocab, 10 + i) for i in range(b)]
         row["batches"][b] = decoder_rates(dec, prompts, args.new_tokens)
         print(f"  batch {b}: {row['batches'][b]}", flush=True)
-    dec = Decoder(model)
+    dec = Decoder(model, compile=True)
     long = _ids(args.long, vocab, 1)
     dec.generate([long], 1)
     row["prefill_long_s"] = round(dec.timings.prefill, 2)
@@ -235,21 +241,23 @@ def main() -> None:
         rows[name] = measure(paths[name], args, vocab)
         print(f"{name}: {rows[name]}", flush=True)
         write_results(args.out, "decode.json", result)  # what is done so far, should a later format fail
-    base = rows["bf16"]["graph"]["decode_tokens_per_s"] if "bf16" in rows else None
+    base = rows["bf16"]["compiled"]["decode_tokens_per_s"] if "bf16" in rows else None
     t = Table(title=f"decode at batch 1 after {args.context} tokens, {args.new_tokens} new tokens (tokens/s)")
-    for col in ("export", "before", "eager", "graph", "graph vs eager", "graph vs bf16", "capture", "prefill"):
+    cols = ("export", "before", "eager", "graph", "compiled", "vs eager", "vs bf16", "compile + capture", "prefill")
+    for col in cols:
         t.add_column(col, justify="left" if col == "export" else "right")
     for name, r in rows.items():
-        g = r["graph"]["decode_tokens_per_s"]
+        c = r["compiled"]["decode_tokens_per_s"]
         t.add_row(
             name,
             f"{r['before_tokens_per_s']:.1f}",
             f"{r['eager']['decode_tokens_per_s']:.1f}",
-            f"{g:.1f}",
-            f"{g / r['eager']['decode_tokens_per_s']:.2f}x",
-            f"{g / base:.2f}x" if base else "-",
-            f"{r['graph']['capture_s']:.1f} s",
-            f"{r['graph']['prefill_s']:.2f} s",
+            f"{r['graph']['decode_tokens_per_s']:.1f}",
+            f"{c:.1f}",
+            f"{c / r['eager']['decode_tokens_per_s']:.2f}x",
+            f"{c / base:.2f}x" if base else "-",
+            f"{r['compiled']['capture_s']:.1f} s",
+            f"{r['compiled']['prefill_s']:.2f} s",
         )
     Console().print(t)
     t = Table(title=f"aggregate decode tokens/s, {args.batch_context}-token prompts; prefill seconds")

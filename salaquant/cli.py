@@ -474,6 +474,13 @@ def generate(
         bool, typer.Option(help="Run GLA / sparse attention with salaquant.kernels (Triton on CUDA).")
     ] = True,
     graphs: Annotated[bool, typer.Option(help="Replay each decode step as a CUDA graph (CUDA only).")] = True,
+    compile: Annotated[
+        bool,
+        typer.Option(
+            help="Compile the decode step with torch.compile before capturing it (CUDA graphs only): faster steps "
+            "after about a minute of compiling per batch size at the full shape; pays off over long generations."
+        ),
+    ] = False,
 ) -> None:
     """Completion with the runtime (greedy unless --temperature): a quick check that a checkpoint loads and talks,
     or, with --prompts, batched generation over a file of prompts."""
@@ -509,15 +516,13 @@ def generate(
     if any(len(i) == 0 for i in ids):
         fail(f"prompt {[len(i) for i in ids].index(0)} has no tokens")
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-    dec = Decoder(net, graphs=graphs, attention_mode=attention)
+    dec = Decoder(net, graphs=graphs, compile=compile, attention_mode=attention)
     eos = tok.eos_token_id
     t0 = time.perf_counter()
-    outs: list[torch.Tensor] = []
     try:
-        for i in range(0, len(ids), batch_size):
-            outs += dec.generate(
-                ids[i : i + batch_size], max_new_tokens, sampling, generator=generator, eos_token_id=eos
-            )
+        outs = dec.generate_in_batches(
+            ids, max_new_tokens, sampling, batch_size=batch_size, generator=generator, eos_token_id=eos
+        )
     except NonFiniteLogits as exc:
         fail(f"{model}: {exc}; no text is printed")
     seconds = time.perf_counter() - t0

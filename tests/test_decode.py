@@ -16,7 +16,7 @@ from salaquant.model.sampling import Sampling
 from salaquant.model.static_cache import StaticCache
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
-from salaquant.runtime.decode import Decoder, bucket, generate_batch
+from salaquant.runtime.decode import Decoder, bucket
 from salaquant.runtime.linear import GPTQLinear, NVFP4Linear
 from salaquant.runtime.load import load
 
@@ -48,7 +48,7 @@ def test_static_step_logits_equal_the_cached_model(models, mode: str) -> None:
     for i, p in enumerate(prompts):
         dyn = SalaCache.for_config(cfg)
         plain(p[None], cache=dyn, attention_mode=mode)
-        static.load_row(i, dyn, 0, cfg)
+        static.load_row(i, dyn, 0)
         expected.append(torch.cat([plain(feeds[i, s].view(1, 1), cache=dyn, attention_mode=mode).logits[:, -1]
                                    for s in range(steps)]))  # fmt: skip
     for s in range(steps):
@@ -63,7 +63,7 @@ def test_batched_generation_equals_each_prompt_alone(models) -> None:
     cross dense_len and a batch that is not a bucket size (dummy rows dropped)."""
     fused, plain = models
     prompts = _prompts((5, 250, 31, 250, 120), fused.config.vocab_size, seed=2)
-    out = generate_batch(fused, prompts, 24, batch_size=3)
+    out = Decoder(fused).generate_in_batches(prompts, 24, batch_size=3)
     assert len(out) == len(prompts)
     for p, got in zip(prompts, out, strict=True):
         assert torch.equal(got, plain.generate(p[None], 24)[0, len(p) :])

@@ -20,7 +20,7 @@ def test_decode_benchmark_smoke(tmp_path: Path) -> None:
     assert list(res["rows"]) == ["bf16", "GPTQ W4A16", "NVFP4"]
     for name, row in res["rows"].items():
         assert row["before_tokens_per_s"] > 0 and row["prefill_long_s"] > 0 and row["prefill_16_s"] > 0, name
-        for way in ("eager", "graph"):
+        for way in ("eager", "graph", "compiled"):
             r = row[way]
             assert r["decode_tokens_per_s"] > 0, (name, way)
             assert abs(r["ms_per_step"] * r["decode_tokens_per_s"] / 1000 - 1) < 0.02, (name, way)  # batch 1

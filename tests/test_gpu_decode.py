@@ -1,6 +1,7 @@
-"""The CUDA-graph decode step on a GPU: replaying the captured graph gives the tokens of the same step run eagerly
-(bf16, GPTQ W4A16 and NVFP4 weight-only and W4A4, with the Triton kernels), rows crossing dense_len, a batch that
-is not a bucket size, and a second call reusing the graph."""
+"""The CUDA-graph decode step on a GPU (bf16, GPTQ W4A16 and NVFP4 weight-only and W4A4, with the Triton kernels;
+rows crossing dense_len, a batch that is not a bucket size): replaying the captured graph of the plain step gives
+the tokens of the same step run eagerly, a second call reuses the graph; the compiled step (``compile=True``) gives the
+eager step's logits from the same mid-generation state, and its graph replays exactly what it computes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from rich.console import Console
 
 from salaquant.calib_data import CalibOptions
+from salaquant.model.static_cache import StaticCache, StaticLightningCache
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.decode import Decoder
@@ -49,3 +51,53 @@ def test_graph_replay_equals_eager(case: str, fp32_model: Path, shipped_rtn_expo
         assert dec.timings.capture == 0.0  # reused
         for e, r, a in zip(eager, graphed, again, strict=True):
             assert torch.equal(e, r) and torch.equal(r, a), (case, mode)
+
+
+def _buffers(cache: StaticCache) -> list[torch.Tensor]:
+    """Every tensor of the decode state, in one order."""
+    out = [cache.lengths]
+    for entry in cache.layers:
+        if isinstance(entry, StaticLightningCache):
+            out.append(entry.state)
+        else:
+            out += [t for t in (entry.k, entry.v, entry.k1, entry.k2) if t is not None]
+    return out
+
+
+def _snapshot(cache: StaticCache) -> list[torch.Tensor]:
+    return [t.clone() for t in _buffers(cache)]
+
+
+def _restore(cache: StaticCache, saved: list[torch.Tensor]) -> None:
+    for dst, src in zip(_buffers(cache), saved, strict=True):
+        dst.copy_(src)
+
+
+@pytest.mark.parametrize("case", ["bf16", "gptq", "nvfp4", "nvfp4-w4a4"])
+def test_compiled_step_matches_eager(case: str, fp32_model: Path, shipped_rtn_export: Path, nvfp4_export: Path) -> None:
+    path = {"bf16": fp32_model, "gptq": shipped_rtn_export}.get(case, nvfp4_export)
+    model = load(path, device="cuda", activations="fp4" if case.endswith("w4a4") else "bf16")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (250, 40, 300)]
+    dec = Decoder(model, compile=True)
+    dec.generate(prompts, 20)  # prefill, compile, capture, 19 steps: rows now past dense_len (256)
+    state = dec._captured[(4, "auto")]
+    assert state.graph is not None and int(state.cache.lengths[:3].min()) > 50  # row 3 is the bucket's dummy
+    state.tokens.copy_(torch.tensor([[3], [5], [7], [11]], device="cuda"))
+    saved = _snapshot(state.cache)
+    compiled = dec.step_fn()(state).clone()
+    after_compiled = _snapshot(state.cache)
+    _restore(state.cache, saved)
+    eager = dec._step(state).clone()
+    after_eager = _snapshot(state.cache)
+    _restore(state.cache, saved)
+    state.graph.replay()
+    assert state.logits is not None and torch.equal(state.logits[:3], compiled[:3])
+    rel = (compiled[:3] - eager[:3]).norm() / eager[:3].norm()
+    assert rel < 2e-2, (case, float(rel))
+    assert torch.equal(compiled[:3].argmax(-1), eager[:3].argmax(-1)), case
+    for a, b in zip(after_compiled, after_eager, strict=True):  # the same state written
+        if a.dtype == torch.long:
+            assert torch.equal(a, b)
+        else:
+            assert (a.float() - b.float()).norm() <= 2e-2 * b.float().norm() + 1e-6

@@ -9,7 +9,6 @@ path runs.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 from torch import Tensor
@@ -26,9 +25,9 @@ activation dtype and multiplies with cuBLAS: the product is compute-bound there,
 percent of it."""
 
 
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+"""Read once at import (finding the package does not import it), also so that ``torch.compile`` can trace
+``use_triton`` without a graph break."""
 
 
 def use_triton(backend: str, *tensors: Tensor, fits: bool = True) -> bool:
@@ -41,7 +40,7 @@ def use_triton(backend: str, *tensors: Tensor, fits: bool = True) -> bool:
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "auto":
-        return on_cuda and fits and _triton_installed()
+        return on_cuda and fits and _TRITON_INSTALLED
     if not on_cuda and not device.INTERPRET:
         raise RuntimeError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return True

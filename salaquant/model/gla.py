@@ -204,7 +204,7 @@ def simple_gla(
     the Triton kernels, ``"auto"`` the kernels on CUDA tensors and the reference elsewhere. The kernels compute
     16-bit inputs in fp32 as they load them (``upcast``), so both give the same numbers up to the order of fp32
     operations and TF32 dots."""
-    if use_triton(backend, q, k, v):
+    if use_triton(backend, q, k, v) and not (torch.compiler.is_compiling() and q.shape[1] < RECURRENT_MAX_LEN):
         _check_inputs(q, k, v, g_gamma, initial_state)
         from ..kernels import gla
 

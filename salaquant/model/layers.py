@@ -13,7 +13,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     """RMSNorm as SALA computes it: fp32 variance, normalise, cast back, then multiply by the weight. ``backend``
     (``salaquant.kernels.backend.use_triton``) runs this code or the one-kernel Triton version
     (``salaquant.kernels.rmsnorm``)."""
-    if use_triton(backend, x, weight):
+    if use_triton(backend, x, weight) and not torch.compiler.is_compiling():  # compiled: fused by the compiler
         from ..kernels.rmsnorm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)

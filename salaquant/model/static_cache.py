@@ -15,8 +15,10 @@ row ``b``'s next token sits at position ``lengths[b]``, which its RoPE and its a
   ``sparse_attention`` with the row's own position. Blocks beyond the row's last one score ``-inf``, so the
   top-k over the buffer's blocks keeps exactly the blocks the reference keeps from the row's own.
 
-The attention itself is one masked softmax over the buffer (its G query heads per KV head as G queries), in fp32
-inside PyTorch's fused attention: the same function as the reference's masked attention over the chosen keys.
+The attention itself is one masked softmax over the buffer (its G query heads per KV head as G queries), in fp32:
+the same function as the reference's masked attention over the chosen keys. It is written as two fp32 batched matrix
+products around the softmax, which ``torch.compile`` fuses with the masking; PyTorch's fused attention runs this
+shape (a few heads of G queries over many keys) in one thread block per head.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import LightningLayerCache, SalaCache, SparseLayerCache
@@ -64,6 +65,7 @@ class StaticCache:
     layers: list[StaticSparseCache | StaticLightningCache] = field(default_factory=list)
     lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     capacity: int = 0
+    sparse: SparseParams | None = None
 
     @classmethod
     def allocate(
@@ -97,7 +99,7 @@ class StaticCache:
                     lengths,
                 )
             )
-        return cls(layers, lengths, capacity)
+        return cls(layers, lengths, capacity, sparse)
 
     @property
     def batch(self) -> int:
@@ -117,10 +119,10 @@ class StaticCache:
             if isinstance(entry, StaticLightningCache):
                 entry.state.zero_()
 
-    def load_row(self, dst: int, cache: SalaCache, src: int, config: SalaConfig) -> None:
+    def load_row(self, dst: int, cache: SalaCache, src: int) -> None:
         """Copy row ``src`` of a prefilled ``SalaCache`` into row ``dst`` of this cache (compressed windows
         built from its keys as ``compress_keys`` builds them)."""
-        sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
+        sparse = self.sparse
         n = cache.seen_tokens
         if n > self.capacity:
             raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.capacity} positions")
@@ -219,8 +221,8 @@ def decode_attention(
         sparse_rows = torch.ones_like(visible[:, 0]) if mode == "sparse" else (pos + 1) >= (dense_len or 0)
         chosen = _selected_keys(q, cache, pos, params) & visible[:, None, :]
         mask = torch.where(sparse_rows[:, None, None], chosen, mask)
-    qg = q[:, 0].reshape(b, hkv, hq // hkv, d)  # a KV head's G query heads as G queries
-    out = F.scaled_dot_product_attention(
-        qg, cache.k.transpose(1, 2), cache.v.transpose(1, 2), attn_mask=mask[:, :, None, :], scale=d**-0.5
-    )
-    return out.reshape(b, 1, hq, d)
+    qg = q[:, 0].reshape(b, hkv, hq // hkv, d).float()  # a KV head's G query heads as G queries
+    scores = torch.matmul(qg, cache.k.transpose(1, 2).float().transpose(-1, -2)) * d**-0.5  # [B, Hkv, G, C]
+    probs = torch.softmax(scores.masked_fill(~mask[:, :, None, :], -math.inf), dim=-1)
+    out = torch.matmul(probs, cache.v.transpose(1, 2).float())
+    return out.to(q.dtype).reshape(b, 1, hq, d)

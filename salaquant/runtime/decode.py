@@ -10,14 +10,15 @@
 
 On CUDA the step is captured once per batch bucket (1, 2, 4, 8, 16, 32, 64, then multiples of 64; unused rows
 decode a dummy token and are dropped) and cache capacity, after a warm-up run that compiles and tunes the
-kernels on a scratch state; a later call that fits reuses the graph. ``graphs=False`` (and every CPU run) takes
-the same step eagerly. Each row stops at ``eos_token_id`` (kept; padded with it until every row has stopped).
+kernels on a scratch state; a later call that fits reuses the graph. With ``compile`` the captured step is
+``torch.compile``'s version of it (``step_fn``), compiled during that warm-up. ``graphs=False`` (and every CPU run)
+takes the same step eagerly. Each row stops at ``eos_token_id`` (kept; padded with it until every row has stopped).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,9 +66,11 @@ class _Graph:
 class Decoder:
     model: SalaForCausalLM
     graphs: bool = True
+    compile: bool = False
     attention_mode: str | None = None
     timings: Timings = field(default_factory=Timings)
     _captured: dict[tuple[int, str], _Graph] = field(default_factory=dict)
+    _compiled: Callable[[_Graph], torch.Tensor] | None = None
 
     def _device(self) -> torch.device:
         return self.model.model.embed_tokens.weight.device
@@ -82,15 +85,28 @@ class Decoder:
         out = self.model(state.tokens, cache=state.cache, attention_mode=self._mode())
         return out.logits[:, -1]
 
+    def step_fn(self) -> Callable[[_Graph], torch.Tensor]:
+        """The decode step a graph captures: ``_step`` compiled by ``torch.compile`` with ``compile`` on CUDA
+        (the element-wise work between the matrix products fused into few kernels; the products stay the
+        project's kernels, ``kernels.ops``), else ``_step`` itself."""
+        if not (self.compile and self._use_graphs()):
+            return self._step
+        if self._compiled is None:
+            # one compilation per batch bucket and cache capacity (and per Decoder): more than dynamo's default
+            # of 8 variants of one function before it falls back to eager
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(self._step, dynamic=False)
+        return self._compiled
+
     def _mode(self) -> str:
         return self.attention_mode or self.model.attention_mode
 
-    def _state(self, rows: int, capacity: int) -> tuple[_Graph, float]:
-        """A static cache of ``rows`` rows and at least ``capacity`` positions, with its graph on CUDA; and the
-        seconds spent capturing it (0 if reused)."""
+    def _state(self, rows: int, capacity: int, graph: bool = True) -> tuple[_Graph, float]:
+        """A static cache of ``rows`` rows and at least ``capacity`` positions, with its graph on CUDA where
+        ``graph`` (a call that decodes no step needs none); and the seconds spent capturing it (0 if reused)."""
         key = (rows, self._mode())
         have = self._captured.get(key)
-        if have is not None and have.cache.capacity >= capacity:
+        if have is not None and have.cache.capacity >= capacity and (have.graph is not None or not graph):
             have.cache.reset()
             return have, 0.0
         self._captured.pop(key, None)
@@ -99,18 +115,22 @@ class Decoder:
         capacity = -(-capacity // 64) * 64
         cache = StaticCache.allocate(self.model.config, rows, capacity, dev, self._dtype())
         state = _Graph(cache, torch.zeros(rows, 1, dtype=torch.long, device=dev))
-        if self._use_graphs():
+        if self._use_graphs() and graph:
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles and tunes every kernel on a scratch state
-                    self._step(state)
+                # on a scratch state: one plain step builds the model's lazily made tensors (so that the compiled
+                # step sees them made and never compiles again during the capture), then the step that the graph
+                # captures runs twice, compiling and tuning every kernel
+                self._step(state)
+                for _ in range(2):
+                    self.step_fn()(state)
             torch.cuda.current_stream(dev).wait_stream(stream)
             cache.reset()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                state.logits = self._step(state)
-            state.graph = graph
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                state.logits = self.step_fn()(state)
+            state.graph = cuda_graph
             cache.reset()
             torch.cuda.synchronize(dev)
         self._captured[key] = state
@@ -140,7 +160,7 @@ class Decoder:
         rows = bucket(n)
         timings = Timings()
         t0 = time.perf_counter()
-        state, timings.capture = self._state(rows, max(len(p) for p in prompts) + max_new_tokens)
+        state, timings.capture = self._state(rows, max(len(p) for p in prompts) + max_new_tokens, max_new_tokens > 1)
         t1 = time.perf_counter()
         last = torch.zeros(rows, self.model.config.vocab_size, dtype=torch.float32, device=dev)
         by_length: dict[int, list[int]] = {}
@@ -154,7 +174,7 @@ class Decoder:
                 cache = SalaCache.for_config(self.model.config)
                 logits = self.model(ids, cache=cache, attention_mode=self._mode()).logits[:, -1]
                 for j, i in enumerate(members):
-                    state.cache.load_row(i, cache, j, self.model.config)
+                    state.cache.load_row(i, cache, j)
                     last[i] = logits[j]
                 del cache, logits
         if rows > n:  # dummy rows: one token each, never read
@@ -199,30 +219,28 @@ class Decoder:
             raise NonFiniteLogits(f"the model gives NaN/Inf logits at generated token {step} (prompt {row})")
         return [_cut(t, eos_token_id) for t in tokens]
 
+    def generate_in_batches(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        *,
+        batch_size: int = 16,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[torch.Tensor]:
+        """``generate`` over ``prompts`` in batches of ``batch_size``, in order (each batch reuses the graph of
+        its bucket)."""
+        out: list[torch.Tensor] = []
+        for i in range(0, len(prompts), batch_size):
+            out += self.generate(
+                prompts[i : i + batch_size], max_new_tokens, sampling, generator=generator, eos_token_id=eos_token_id
+            )
+        return out
+
 
 def _cut(tokens: torch.Tensor, eos: int | None) -> torch.Tensor:
     if eos is None:
         return tokens
     hits = (tokens == eos).nonzero()
     return tokens[: int(hits[0]) + 1] if hits.numel() else tokens
-
-
-def generate_batch(
-    model: SalaForCausalLM,
-    prompts: Sequence[torch.Tensor],
-    max_new_tokens: int,
-    sampling: Sampling | None = None,
-    *,
-    batch_size: int = 16,
-    generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
-    graphs: bool = True,
-) -> list[torch.Tensor]:
-    """``Decoder.generate`` over ``prompts`` in batches of ``batch_size``, in order."""
-    dec = Decoder(model, graphs=graphs)
-    out: list[torch.Tensor] = []
-    for i in range(0, len(prompts), batch_size):
-        out += dec.generate(
-            prompts[i : i + batch_size], max_new_tokens, sampling, generator=generator, eos_token_id=eos_token_id
-        )
-    return out

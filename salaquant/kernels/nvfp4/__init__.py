@@ -26,6 +26,11 @@ def nvfp4_matmul(
     float8_e4m3fn ``[N, K/16]``, ``weight_scale_2`` fp32 scalar); fp32 accumulation, output ``x.dtype``."""
     if not use_triton(backend, x):
         return nvfp4_matmul_reference(x, weight, weight_scale, weight_scale_2)
+    if torch.compiler.is_compiling() and isinstance(weight_scale_2, torch.Tensor):  # opaque (``kernels.ops``)
+        from ..ops import nvfp4_matmul_op
+
+        flat = nvfp4_matmul_op(x.reshape(-1, x.shape[-1]), weight, weight_scale, weight_scale_2)
+        return flat.reshape(*x.shape[:-1], weight.shape[0])
     from . import triton_kernels
 
     return triton_kernels.matmul(x, weight, weight_scale, weight_scale_2)

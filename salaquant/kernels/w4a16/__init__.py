@@ -10,6 +10,7 @@ chosen by ``M``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..backend import use_triton
@@ -41,9 +42,14 @@ def w4a16_matmul(
         raise ValueError(f"qzeros must be [groups, {n} * bits / 32], got {list(qzeros.shape)}")
     if not use_triton(backend, x):
         return w4a16_matmul_reference(x, qweight, scales, bits, group_size)
-    from .triton_kernels import matmul
-
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features but the weight has K={k}")
-    y = matmul(x.reshape(-1, k), qweight, scales, bits, group_size)
+    if torch.compiler.is_compiling():  # an opaque op to the compiler (``kernels.ops``), the same kernels
+        from ..ops import w4a16_matmul_op
+
+        y = w4a16_matmul_op(x.reshape(-1, k), qweight, scales, bits, group_size)
+    else:
+        from .triton_kernels import matmul
+
+        y = matmul(x.reshape(-1, k), qweight, scales, bits, group_size)
     return y.reshape(*x.shape[:-1], n)

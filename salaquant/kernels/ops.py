@@ -1,0 +1,38 @@
+"""The Triton matrix products as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
+
+Inside a compiled function (``torch.compiler.is_compiling()``) ``w4a16_matmul`` and ``nvfp4_matmul`` call these
+ops instead of their Python launchers: the compiler then sees one opaque call with a known output shape (the
+``register_fake`` functions) and fuses the element-wise work around it, while the product itself runs the same
+Triton kernels as in eager code (the launchers pick the path by the number of rows, as they do there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("salaquant::w4a16_matmul", mutates_args=())
+def w4a16_matmul_op(x: Tensor, qweight: Tensor, scales: Tensor, bits: int, group_size: int) -> Tensor:
+    """``x [M, K] @ W^T`` for GPTQ v1 tensors on the Triton kernels (``w4a16.triton_kernels.matmul``)."""
+    from .w4a16.triton_kernels import matmul
+
+    return matmul(x, qweight, scales, bits, group_size)
+
+
+@w4a16_matmul_op.register_fake
+def _(x: Tensor, qweight: Tensor, scales: Tensor, bits: int, group_size: int) -> Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[1])
+
+
+@torch.library.custom_op("salaquant::nvfp4_matmul", mutates_args=())
+def nvfp4_matmul_op(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> Tensor:
+    """``x [M, K] @ W^T`` for an NVFP4 weight on the Triton kernels (``nvfp4.triton_kernels.matmul``)."""
+    from .nvfp4.triton_kernels import matmul
+
+    return matmul(x, weight, weight_scale, weight_scale_2)
+
+
+@nvfp4_matmul_op.register_fake
+def _(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
