@@ -310,13 +310,11 @@ def run_eval(
         timings["perplexity"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        result["niah"] = _run_niah(ref_model, q_model, tokenizer, cases, opts, qcfg.dense_len, dev, progress)
+        result["niah"] = _run_niah(ref_model, q_model, tokenizer, cases, opts, qcfg.dense_len, progress)
         timings["niah"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        result["generation"] = _run_generation(
-            ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, dev, progress
-        )
+        result["generation"] = _run_generation(ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, progress)
         timings["generation"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -386,22 +384,24 @@ def _run_niah(
     built: Sequence[nh.NiahCase],
     opts: EvalOptions,
     dense_len: int | None,
-    dev: torch.device,
     progress: Phases,
 ) -> dict[str, Any] | None:
     if not built:
         return None
-    cases = []
-    with progress.phase("needle in a haystack", len(built)) as step:
-        for case in built:
-            ids = case.ids[None].to(dev)
-            row = case.summary() | {"attention": nh.effective_attention(opts.attention, case.length, dense_len)}
-            for name, model in (("source", ref_model), ("quantized", q_model)):
-                g = gen.greedy(model, ids, case.max_new_tokens, opts.attention)
-                text = tokenizer.decode(g.tokens, skip_special_tokens=True)
-                hit = nh.contains_value(text, case.value)
-                row[name] = {"text": text, "hit": hit, "nonfinite_step": g.nonfinite_step}
-            cases.append(row)
+    cases = [case.summary() | {"attention": nh.effective_attention(opts.attention, case.length, dense_len)}
+             for case in built]  # fmt: skip
+    longest = max(case.max_new_tokens for case in built)
+    with progress.phase("needle in a haystack", 2) as step:
+        for name, model in (("source", ref_model), ("quantized", q_model)):
+            # all cases in one batch; each case's answer is its first max_new_tokens (greedy: the same tokens)
+            done = gen.greedy_batch(model, [case.ids for case in built], longest, opts.attention)
+            for row, case, g in zip(cases, built, done, strict=True):
+                text = tokenizer.decode(g.tokens[: case.max_new_tokens], skip_special_tokens=True)
+                row[name] = {
+                    "text": text,
+                    "hit": nh.contains_value(text, case.value),
+                    "nonfinite_step": g.nonfinite_step,
+                }
             step()
     lengths = list(dict.fromkeys(c.length for c in built))
     by_length = []
@@ -434,24 +434,21 @@ def _run_generation(
     opts: EvalOptions,
     eos_id: int | None,
     unk_id: int | None,
-    dev: torch.device,
     progress: Phases,
 ) -> dict[str, Any] | None:
     if opts.gen_tokens == 0 or not prompts:
         return None
-    rows = []
-    with progress.phase("generation", len(prompts)) as step:
-        for prompt in prompts:
-            ids = torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long, device=dev)
-            row: dict[str, Any] = {"prompt": prompt}
-            for name, model in (("source", ref_model), ("quantized", q_model)):
-                g = gen.greedy(model, ids, opts.gen_tokens, opts.attention, eos_id)
+    rows: list[dict[str, Any]] = [{"prompt": prompt} for prompt in prompts]
+    ids = [torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long) for prompt in prompts]
+    with progress.phase("generation", 2) as step:
+        for name, model in (("source", ref_model), ("quantized", q_model)):
+            for row, g in zip(rows, gen.greedy_batch(model, ids, opts.gen_tokens, opts.attention, eos_id), strict=True):
                 row[name] = gen.check_continuation(g, unk_id) | {
                     "text": tokenizer.decode(g.tokens, skip_special_tokens=False)
                 }
-            row["first_divergence"] = gen.first_divergence(row["source"]["tokens"], row["quantized"]["tokens"])
-            rows.append(row)
             step()
+    for row in rows:
+        row["first_divergence"] = gen.first_divergence(row["source"]["tokens"], row["quantized"]["tokens"])
     return {
         "max_new_tokens": opts.gen_tokens,
         "prompts": rows,

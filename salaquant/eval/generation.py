@@ -14,6 +14,7 @@ Decoding stops after the EOS token (which is kept) or ``max_new_tokens``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,29 +43,22 @@ class Greedy:
     nonfinite_step: int | None  # 0: the prefill's logits; k: the k-th decode step; None: all finite
 
 
-@torch.no_grad()
+def greedy_batch(
+    model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: int, attention_mode: str, eos_id: int | None = None
+) -> list[Greedy]:
+    """Greedy continuations of 1-D ``prompts``, decoded together by the runtime's ``Decoder`` (static cache; a
+    CUDA graph per step on a GPU), checking every logit and the prefill's hidden states at every position."""
+    from ..runtime.decode import Decoder
+
+    out = Decoder(model, attention_mode=attention_mode).generate_checked(prompts, max_new_tokens, eos_token_id=eos_id)
+    return [Greedy(c.tokens.tolist(), c.nonfinite_step) for c in out]
+
+
 def greedy(
     model: Any, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str, eos_id: int | None = None
 ) -> Greedy:
-    """Greedy decoding with the model's cache (prefill once, one token per step), checking every logit. The
-    prefill computes the logits of the last position only (a 128K-token prompt would otherwise need
-    128K x vocab floats) and checks the final hidden states of all positions."""
-    from ..model.modeling import lm_logits
-
-    cache = model.new_cache()
-    normed = model.model(input_ids, cache=cache, attention_mode=attention_mode)
-    logits = lm_logits(model.config, model.lm_head, normed[:, -1:])
-    bad = None if bool(torch.isfinite(normed).all()) and bool(torch.isfinite(logits).all()) else 0
-    out: list[int] = []
-    for step in range(max_new_tokens):
-        nxt = logits[:, -1:].argmax(-1)
-        out.append(int(nxt))
-        if (eos_id is not None and out[-1] == eos_id) or step == max_new_tokens - 1:
-            break
-        logits = model(nxt, cache=cache, attention_mode=attention_mode).logits
-        if bad is None and not bool(torch.isfinite(logits).all()):
-            bad = step + 1
-    return Greedy(out, bad)
+    """``greedy_batch`` of one prompt ``input_ids [1, T]``."""
+    return greedy_batch(model, [input_ids[0]], max_new_tokens, attention_mode, eos_id)[0]
 
 
 def longest_run(tokens: list[int]) -> tuple[int | None, int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cache import SalaCache
-from ..model.modeling import NonFiniteLogits, SalaForCausalLM
+from ..model.modeling import NonFiniteLogits, SalaForCausalLM, lm_logits
 from ..model.sampling import Sampling, next_token
 from ..model.static_cache import StaticCache
 
@@ -52,6 +52,14 @@ class Timings:
     capture: float = 0.0
     decode: float = 0.0
     steps: int = 0
+
+
+@dataclass
+class Continuation:
+    """A prompt's new tokens and the first step whose logits were NaN/Inf (0: the prefill; None: none)."""
+
+    tokens: torch.Tensor
+    nonfinite_step: int | None
 
 
 @dataclass
@@ -136,7 +144,6 @@ class Decoder:
         self._captured[key] = state
         return state, time.perf_counter() - t0
 
-    @torch.no_grad()
     def generate(
         self,
         prompts: Sequence[torch.Tensor],
@@ -148,10 +155,29 @@ class Decoder:
     ) -> list[torch.Tensor]:
         """The new tokens of each prompt (``[n]`` int64, at most ``max_new_tokens``; a row that stopped is cut
         after its EOS). Raises `NonFiniteLogits` (after decoding) if any step of a kept row had NaN/Inf logits."""
+        out = self.generate_checked(prompts, max_new_tokens, sampling, generator=generator, eos_token_id=eos_token_id)
+        bad = [(c.nonfinite_step, row) for row, c in enumerate(out) if c.nonfinite_step is not None]
+        if bad:
+            step, row = min(bad)
+            raise NonFiniteLogits(f"the model gives NaN/Inf logits at generated token {step} (prompt {row})")
+        return [c.tokens for c in out]
+
+    @torch.no_grad()
+    def generate_checked(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[Continuation]:
+        """``generate``, reporting NaN/Inf per prompt instead of raising: each prompt's new tokens and the first
+        step whose logits were not finite (0: the prefill, whose hidden states are checked at every position)."""
         if not prompts:
             return []
         if max_new_tokens < 1:
-            return [p.new_zeros(0) for p in prompts]
+            return [Continuation(p.new_zeros(0), None) for p in prompts]
         if any(p.dim() != 1 or p.numel() == 0 for p in prompts):
             raise ValueError("each prompt must be a non-empty 1-D tensor of token ids")
         sampling = sampling or Sampling()
@@ -163,6 +189,7 @@ class Decoder:
         state, timings.capture = self._state(rows, max(len(p) for p in prompts) + max_new_tokens, max_new_tokens > 1)
         t1 = time.perf_counter()
         last = torch.zeros(rows, self.model.config.vocab_size, dtype=torch.float32, device=dev)
+        prefill_ok = torch.ones(rows, dtype=torch.bool, device=dev)
         by_length: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_length.setdefault(len(p), []).append(i)
@@ -172,14 +199,18 @@ class Decoder:
                 members = same[c : c + per_call]
                 ids = torch.stack([prompts[i] for i in members]).to(dev)
                 cache = SalaCache.for_config(self.model.config)
-                logits = self.model(ids, cache=cache, attention_mode=self._mode()).logits[:, -1]
+                # the last position's logits only: all of a 128K-token prompt's would take tens of GB
+                normed = self.model.model(ids, cache=cache, attention_mode=self._mode())
+                logits = lm_logits(self.model.config, self.model.lm_head, normed[:, -1])
+                hidden_ok = torch.isfinite(normed).flatten(1).all(dim=-1)
                 for j, i in enumerate(members):
                     state.cache.load_row(i, cache, j)
                     last[i] = logits[j]
-                del cache, logits
+                    prefill_ok[i] = hidden_ok[j]
+                del cache, logits, normed
         if rows > n:  # dummy rows: one token each, never read
             state.cache.lengths[n:] = 1
-        finite = [torch.isfinite(last[:n]).all(dim=-1)]
+        finite = [torch.isfinite(last[:n]).all(dim=-1) & prefill_ok[:n]]
         nxt = next_token(last, sampling, generator)
         done = torch.zeros(rows, 1, dtype=torch.bool, device=dev)
         out = []
@@ -214,10 +245,8 @@ class Decoder:
         timings.prefill += t1 - t0 - timings.capture
         self.timings = timings
         bad = ~torch.stack(finite, dim=1).cpu()
-        if bool(bad.any()):
-            row, step = (int(x) for x in bad.nonzero()[0])
-            raise NonFiniteLogits(f"the model gives NaN/Inf logits at generated token {step} (prompt {row})")
-        return [_cut(t, eos_token_id) for t in tokens]
+        first = [int(r.nonzero()[0]) if bool(r.any()) else None for r in bad]
+        return [Continuation(_cut(t, eos_token_id), f) for t, f in zip(tokens, first, strict=True)]
 
     def generate_in_batches(
         self,
