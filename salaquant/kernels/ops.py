@@ -1,9 +1,11 @@
-"""The Triton matrix products as ``torch.library`` custom ops, for code that ``torch.compile`` traces.
+"""The Triton matrix products and decode attention as ``torch.library`` custom ops, for code that ``torch.compile``
+traces.
 
-Inside a compiled function (``torch.compiler.is_compiling()``) ``w4a16_matmul`` and ``nvfp4_matmul`` call these
-ops instead of their Python launchers: the compiler then sees one opaque call with a known output shape (the
-``register_fake`` functions) and fuses the element-wise work around it, while the product itself runs the same
-Triton kernels as in eager code (the launchers pick the path by the number of rows, as they do there).
+Inside a compiled function (``torch.compiler.is_compiling()``) ``w4a16_matmul``, ``nvfp4_matmul`` and
+``masked_decode_attention`` call these ops instead of their Python launchers: the compiler then sees one opaque call
+with a known output shape (the ``register_fake`` functions) and fuses the element-wise work around it, while the op
+itself runs the same Triton kernels as in eager code (the launchers pick the path by the number of rows, as they do
+there).
 """
 
 from __future__ import annotations
@@ -36,3 +38,16 @@ def nvfp4_matmul_op(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_scal
 @nvfp4_matmul_op.register_fake
 def _(x: Tensor, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("salaquant::decode_attention", mutates_args=())
+def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Split-key masked decode attention on the Triton kernels (``decode_attention.triton_kernels``)."""
+    from .decode_attention.triton_kernels import masked_decode_attention_triton
+
+    return masked_decode_attention_triton(q, k, v, mask, scale)
+
+
+@decode_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -75,6 +75,7 @@ class SparseAttention(nn.Module):
         self.dense_len = config.dense_len
         self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
         self.sparse_fn = infllm_v2_attention  # the reference; the runtime binds a backend (use_layer_kernels)
+        self.decode_backend = "reference"  # static-cache decode attention; the runtime sets it too
 
     def use_sparse(self, total_len: int, mode: str) -> bool:
         if mode == "dense":
@@ -105,7 +106,7 @@ class SparseAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         scale = self.head_dim**-0.5
         if isinstance(cache, StaticSparseCache):
-            out = decode_attention(q, k, v, cache, self.sparse, self.dense_len, mode)
+            out = decode_attention(q, k, v, cache, self.sparse, self.dense_len, mode, self.decode_backend)
         else:
             out = self._attend(q, k, v, cache, mode, scale)
         out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)

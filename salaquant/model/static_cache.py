@@ -16,9 +16,10 @@ row ``b``'s next token sits at position ``lengths[b]``, which its RoPE and its a
   top-k over the buffer's blocks keeps exactly the blocks the reference keeps from the row's own.
 
 The attention itself is one masked softmax over the buffer (its G query heads per KV head as G queries), in fp32:
-the same function as the reference's masked attention over the chosen keys. It is written as two fp32 batched matrix
-products around the softmax, which ``torch.compile`` fuses with the masking; PyTorch's fused attention runs this
-shape (a few heads of G queries over many keys) in one thread block per head.
+the same function as the reference's masked attention over the chosen keys. Here it is two fp32 batched matrix
+products around the softmax; the runtime's Triton path (``backend``) splits the keys over the GPU instead
+(``kernels.decode_attention``), since one program per head (PyTorch's fused attention on this shape) or a GEMV over
+the keys leaves most of the GPU idle.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..kernels.backend import use_triton
 from .cache import LightningLayerCache, SalaCache, SparseLayerCache
 from .config import LIGHTNING, SalaConfig
 from .sparse_attention import SparseParams, compress_keys, forced_blocks, num_compressed
@@ -200,9 +202,11 @@ def decode_attention(
     params: SparseParams | None,
     dense_len: int | None,
     mode: str,
+    backend: str = "reference",
 ) -> Tensor:
     """Attention output ``[B, 1, Hq, D]`` of one new token per row (``q [B, 1, Hq, D]``, ``k, v [B, 1, Hkv, D]``),
-    after storing its key and value in ``cache``."""
+    after storing its key and value in ``cache``. ``backend`` (``kernels.backend.use_triton``) runs the masked
+    softmax here or in the split-key kernel of ``kernels.decode_attention``."""
     if q.shape[1] != 1:
         raise ValueError(f"a static cache decodes one token per row, got {q.shape[1]}")
     b, _, hq, d = q.shape
@@ -221,6 +225,11 @@ def decode_attention(
         sparse_rows = torch.ones_like(visible[:, 0]) if mode == "sparse" else (pos + 1) >= (dense_len or 0)
         chosen = _selected_keys(q, cache, pos, params) & visible[:, None, :]
         mask = torch.where(sparse_rows[:, None, None], chosen, mask)
+    if use_triton(backend, q, cache.k):
+        from ..kernels.decode_attention import masked_decode_attention
+
+        out = masked_decode_attention(q[:, 0].reshape(b, hkv, hq // hkv, d), cache.k, cache.v, mask, d**-0.5)
+        return out.reshape(b, 1, hq, d)
     qg = q[:, 0].reshape(b, hkv, hq // hkv, d).float()  # a KV head's G query heads as G queries
     scores = torch.matmul(qg, cache.k.transpose(1, 2).float().transpose(-1, -2)) * d**-0.5  # [B, Hkv, G, C]
     probs = torch.softmax(scores.masked_fill(~mask[:, :, None, :], -math.inf), dim=-1)

@@ -45,8 +45,9 @@ def checkpoint_format(reader: CheckpointReader) -> str:
 
 
 def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
-    """Route one decoder layer's norms, GLA and sparse attention through ``salaquant.kernels`` by ``backend``
-    (``"auto"``: Triton on CUDA tensors, the PyTorch references elsewhere): the model's dispatchers with it bound."""
+    """Route one decoder layer's norms, GLA, sparse attention and static-cache decode attention through
+    ``salaquant.kernels`` by ``backend`` (``"auto"``: Triton on CUDA tensors, the PyTorch references elsewhere): the
+    model's dispatchers with it bound."""
     from ..model.gla import simple_gla
     from ..model.sparse_attention import infllm_v2_attention
 
@@ -58,6 +59,7 @@ def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
         attn.gla_fn = lambda *a, **k: simple_gla(*a, backend=backend, **k)
     if hasattr(attn, "sparse_fn"):
         attn.sparse_fn = lambda *a, **k: infllm_v2_attention(*a, backend=backend, **k)
+        attn.decode_backend = backend
 
 
 def use_kernels(model: SalaForCausalLM, backend: str = "auto") -> None:
