@@ -556,6 +556,10 @@ def eval_command(
         str | None, typer.Option(help="Generation prompts: .jsonl (prompt/text) or one per line (default: built-in).")
     ] = None,
     gen_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (0 skips generation).")] = 40,
+    gen_prompts: Annotated[
+        int,
+        typer.Option(help="Built-in prompts generated from (without --prompts); 16 with --gen-tokens 2048: long runs."),
+    ] = 6,
     layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
     report: Annotated[Path | None, typer.Option(help="Folder for eval.json / eval.png (default: the checkpoint).")] = (
         None
@@ -635,6 +639,7 @@ def eval_command(
             niah_lengths=parse_lengths(niah),
             niah_depths=parse_depths(niah_depths),
             prompts_file=prompts,
+            gen_prompts=gen_prompts,
             gen_tokens=gen_tokens,
             layer_windows=layer_windows,
             device=device,

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from .calib_data import CalibOptions
 from .eval.data import load_eval_text
-from .eval.generation import DEFAULT_PROMPTS, check_continuation, greedy
+from .eval.generation import BUILTIN_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
 from .eval.perplexity import windows
 from .outputs import check_no_overlap, check_writable_folder
@@ -169,7 +169,7 @@ def run_demo(
     unk_id = tok.unk_token_id
     stream = load_eval_text(None, tok, tok.eos_token_id)
     wins = windows(stream.tokens, size.eval_len, size.eval_windows)
-    prompts = [torch.tensor(tok(p)["input_ids"], dtype=torch.long) for p in DEFAULT_PROMPTS[: size.gen_prompts]]
+    prompts = [torch.tensor(tok(p)["input_ids"], dtype=torch.long) for p in BUILTIN_PROMPTS[: size.gen_prompts]]
     options = CalibOptions(max_samples=size.calib_samples, max_len=size.calib_len)
     variants = _variants(model, calib, options, str(dev))
     quiet = Console(quiet=True)

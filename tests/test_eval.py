@@ -113,6 +113,26 @@ def test_self_eval_is_exact(identity_export: Path, tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_generation_takes_the_first_built_in_prompts_decoded_together(export: Path, tmp_path: Path) -> None:
+    """``gen_prompts`` picks the first built-in prompts; decoded as one batch, each prompt gets the tokens the
+    model's own one-prompt ``generate`` gives it."""
+    from salaquant.eval.generation import BUILTIN_PROMPTS
+
+    opts = _opts(prompts=None, gen_prompts=3, gen_tokens=12, layer_windows=0, windows=1, max_len=64)
+    r = run_eval(export, MODEL, opts, None, tmp_path, QUIET)
+    rows = r["generation"]["prompts"]
+    assert [g["prompt"] for g in rows] == list(BUILTIN_PROMPTS[:3])
+    tok = load_tokenizer(MODEL)
+    source = load_model(MODEL)
+    for g in rows:
+        ids = torch.tensor([tok(g["prompt"])["input_ids"]])
+        alone = source.generate(ids, 12, eos_token_id=tok.eos_token_id)[0, ids.shape[1] :].tolist()
+        assert g["source"]["tokens"] == alone
+    for bad in (0, len(BUILTIN_PROMPTS) + 1):
+        with pytest.raises(EvalInputError, match="--gen-prompts"):
+            run_eval(export, MODEL, _opts(prompts=None, gen_prompts=bad), None, tmp_path / "x", QUIET)
+
+
 def test_broken_layer_is_named(export: Path, tmp_path: Path) -> None:
     key = "model.layers.3.mlp.down_proj.scales"
     broken = _copy_with(export, tmp_path / "broken", {key: lambda t: t * 100})

@@ -56,6 +56,7 @@ class EvalOptions:
     niah_depths: tuple[float, ...] = DEFAULT_DEPTHS
     prompts: list[str] | None = None  # None: the built-in prompt set
     prompts_file: str | None = None
+    gen_prompts: int = gen.DEFAULT_GEN_PROMPTS  # how many built-in prompts (without prompts / prompts_file)
     gen_tokens: int = 40
     layer_windows: int = 2
     device: str = "auto"
@@ -76,6 +77,8 @@ class EvalOptions:
             raise EvalInputError(f"--max-len {self.max_len}: need at least 2 tokens per window")
         if self.windows < 1:
             raise EvalInputError(f"--windows {self.windows}: need at least one window")
+        if not 1 <= self.gen_prompts <= len(gen.BUILTIN_PROMPTS):
+            raise EvalInputError(f"--gen-prompts {self.gen_prompts}: between 1 and {len(gen.BUILTIN_PROMPTS)}")
         if self.gen_tokens < 0 or 0 < self.gen_tokens < 8:
             raise EvalInputError(f"--gen-tokens {self.gen_tokens}: 0 (skip generation) or at least 8")
         if self.layer_windows < 0:
@@ -247,7 +250,7 @@ def run_eval(
     if opts.prompts_file is not None:
         prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
     else:
-        prompts = list(opts.prompts) if opts.prompts is not None else list(gen.DEFAULT_PROMPTS)
+        prompts = list(opts.prompts) if opts.prompts is not None else list(gen.BUILTIN_PROMPTS[: opts.gen_prompts])
     folder = _report_dir(Path(report_dir)) if report_dir is not None else None
     notes: list[str] = []
     if len(wins) < opts.windows:

@@ -27,14 +27,26 @@ LOOP_MAX_PERIOD = 16
 LOOP_MIN_REPEATS = 3
 LOOP_MIN_TOKENS = 8
 
-DEFAULT_PROMPTS = (
+BUILTIN_PROMPTS = (
     "It is a truth universally acknowledged, that",
     "The old man looked out over the sea and",
     "In the beginning",
     "Here is a list of three colours: red,",
     "Question: What is the capital of France?\nAnswer:",
     "def add(a, b):\n",
+    "The history of the city begins in the year",
+    "Dear Sir,\n\nI am writing to you about",
+    "Step 1: Preheat the oven to 180 degrees.\nStep 2:",
+    "Once upon a time, in a small village by the river,",
+    "The three laws of motion state that",
+    "import numpy as np\n\ndef mean(values):\n",
+    "Chapter One\n\nThe rain had not stopped for three days when",
+    "Q: How many legs does a spider have?\nA:",
+    "The following is a conversation between a teacher and a student.\nTeacher:",
+    "In summary, the main reasons for the decline of the empire were",
 )
+"""Prompts of ``salaquant eval``'s generation checks; ``--gen-prompts N`` takes the first N."""
+DEFAULT_GEN_PROMPTS = 6
 
 
 @dataclass
