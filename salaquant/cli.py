@@ -560,6 +560,14 @@ def eval_command(
         int,
         typer.Option(help="Built-in prompts generated from (without --prompts); 16 with --gen-tokens 2048: long runs."),
     ] = 6,
+    tasks: Annotated[
+        str,
+        typer.Option(help="Long-context tasks: niah_multikey, niah_multivalue (niah: both), vt, cwe, fwe; none."),
+    ] = "none",
+    lengths: Annotated[
+        str, typer.Option(help='Task prompt lengths, e.g. "4k,32k,128k"; auto = the NIAH lengths.')
+    ] = "auto",
+    task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = 2,
     layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
     report: Annotated[Path | None, typer.Option(help="Folder for eval.json / eval.png (default: the checkpoint).")] = (
         None
@@ -595,6 +603,9 @@ def eval_command(
     max_rerun_diff: Annotated[
         str | None, typer.Option(help="Fail when two runs of the same window differ by more (abs. logit).")
     ] = None,
+    max_drop: Annotated[
+        str | None, typer.Option(help='Fail when a task\'s mean score drops by more: "cwe=5%,vt=10%".')
+    ] = None,
     no_collapse: Annotated[
         bool, typer.Option("--no-collapse", help="Fail on collapse (where the source has none) or NaN/Inf logits.")
     ] = False,
@@ -609,7 +620,8 @@ def eval_command(
     from .calib_data import CalibrationError
     from .eval import EvalInputError, EvalOptions, Thresholds, run_eval
     from .eval.command import parse_depths, parse_lengths
-    from .eval.thresholds import parse_fraction, parse_non_negative
+    from .eval.tasks import TASKS, parse_tasks
+    from .eval.thresholds import parse_fraction, parse_non_negative, parse_task_drops
     from .formats.check import CheckError
 
     try:
@@ -627,6 +639,7 @@ def eval_command(
             max_layer_error=number(max_layer_error, "--max-layer-error"),
             max_niah_drop=frac(max_niah_drop, "--max-niah-drop"),
             max_rerun_diff=number(max_rerun_diff, "--max-rerun-diff"),
+            max_task_drop=parse_task_drops(max_drop, TASKS) if max_drop is not None else None,
             no_collapse=no_collapse,
             no_new_loops=no_new_loops,
         )
@@ -640,6 +653,9 @@ def eval_command(
             niah_depths=parse_depths(niah_depths),
             prompts_file=prompts,
             gen_prompts=gen_prompts,
+            tasks=parse_tasks(tasks),
+            task_lengths=parse_lengths(lengths, "--lengths"),
+            task_samples=task_samples,
             gen_tokens=gen_tokens,
             layer_windows=layer_windows,
             device=device,

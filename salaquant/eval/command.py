@@ -29,6 +29,7 @@ from . import generation as gen
 from . import layers as lay
 from . import niah as nh
 from . import report
+from . import tasks as tk
 from .data import load_eval_text
 from .metrics import compare_windows
 from .perplexity import windows as make_windows
@@ -57,6 +58,9 @@ class EvalOptions:
     prompts: list[str] | None = None  # None: the built-in prompt set
     prompts_file: str | None = None
     gen_prompts: int = gen.DEFAULT_GEN_PROMPTS  # how many built-in prompts (without prompts / prompts_file)
+    tasks: list[str] = dataclasses.field(default_factory=list)  # long-context tasks (``tasks.TASKS``); none by default
+    task_lengths: list[int] | None = None  # None: the NIAH default lengths
+    task_samples: int = 2  # cases per task and length
     gen_tokens: int = 40
     layer_windows: int = 2
     device: str = "auto"
@@ -90,6 +94,13 @@ class EvalOptions:
                 raise EvalInputError(f"--niah-depths: {d} is not a fraction between 0 and 1")
         if self.niah_lengths is not None and any(n < 2 for n in self.niah_lengths):
             raise EvalInputError(f"--niah: lengths must be at least 2 tokens, got {self.niah_lengths}")
+        unknown = [t for t in self.tasks if t not in tk.TASKS]
+        if unknown:
+            raise EvalInputError(f"--tasks: unknown task {unknown[0]!r}; expected {', '.join(tk.TASKS)} (or niah)")
+        if self.task_samples < 1:
+            raise EvalInputError(f"--task-samples {self.task_samples}: must be >= 1")
+        if self.task_lengths is not None and any(n < 2 for n in self.task_lengths):
+            raise EvalInputError(f"--lengths: lengths must be at least 2 tokens, got {self.task_lengths}")
         if self.prompts is not None and any(not p for p in self.prompts):
             raise EvalInputError("--prompts: empty prompt")
 
@@ -117,7 +128,7 @@ def compatibility_problems(quantized: SalaConfig, reference: SalaConfig) -> list
     ]
 
 
-def parse_lengths(text: str) -> list[int] | None:
+def parse_lengths(text: str, flag: str = "--niah") -> list[int] | None:
     """``"8k,32k"`` -> [8192, 32768]; ``"auto"`` -> None; ``"none"`` / ``""`` -> []."""
     t = text.strip().lower()
     if t == "auto":
@@ -132,9 +143,9 @@ def parse_lengths(text: str) -> list[int] | None:
         try:
             value = float(num) * mult
         except ValueError:
-            raise EvalInputError(f"--niah {text!r}: {part!r} is not a length such as 8k, 32k or 4096") from None
+            raise EvalInputError(f"{flag} {text!r}: {part!r} is not a length such as 8k, 32k or 4096") from None
         if value != int(value) or value < 2:
-            raise EvalInputError(f"--niah {text!r}: {part!r} is not a whole number of tokens >= 2")
+            raise EvalInputError(f"{flag} {text!r}: {part!r} is not a whole number of tokens >= 2")
         out.append(int(value))
     return out
 
@@ -247,6 +258,16 @@ def run_eval(
         ]
     except ValueError as exc:
         raise EvalInputError(f"--niah: {exc}") from exc
+    task_lengths = opts.task_lengths if opts.task_lengths is not None else list(niah_lengths or [opts.max_len])
+    try:
+        task_cases = [
+            tk.make_task_case(tokenizer, task, n, i, opts.seed, tokenizer.bos_token_id)
+            for task in opts.tasks
+            for n in task_lengths
+            for i in range(opts.task_samples)
+        ]
+    except ValueError as exc:
+        raise EvalInputError(f"--tasks: {exc}") from exc
     if opts.prompts_file is not None:
         prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
     else:
@@ -312,9 +333,19 @@ def run_eval(
         result["stability"] = rerun.summary() if rerun is not None else None
         timings["perplexity"] = time.perf_counter() - t
 
-        t = time.perf_counter()
-        result["niah"] = _run_niah(ref_model, q_model, tokenizer, cases, opts, qcfg.dense_len, progress)
-        timings["niah"] = time.perf_counter() - t
+        both = {"source": ref_model, "quantized": q_model}
+        families: tuple[tuple[str, Sequence[Any], str, Any], ...] = (
+            ("niah", cases, "needle in a haystack", _niah_result),
+            ("tasks", task_cases, "long-context tasks", _tasks_result),
+        )
+        for key, built, phase, scored in families:
+            t = time.perf_counter()
+            result[key] = None
+            if built:
+                queue = [(c.length, c.ids, c.max_new_tokens) for c in built]
+                decoded = _continue_both(both, tokenizer, queue, opts, phase, progress)
+                result[key] = scored(built, decoded, opts, qcfg.dense_len)
+            timings[key] = time.perf_counter() - t
 
         t = time.perf_counter()
         result["generation"] = _run_generation(ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, progress)
@@ -355,6 +386,9 @@ def _first(x: int | list[int] | None) -> int | None:
 def _gate_needs(gates: Thresholds, opts: EvalOptions, niah_lengths: Sequence[int]) -> None:
     if gates.max_niah_drop is not None and not niah_lengths:
         raise EvalInputError("--max-niah-drop needs NIAH lengths (--niah), but NIAH is off")
+    missing = [t for t in (gates.max_task_drop or {}) if t not in opts.tasks]
+    if missing:
+        raise EvalInputError(f"--max-drop {missing[0]}=...: the task is not run (add it to --tasks)")
     if gates.no_new_loops and opts.gen_tokens == 0:
         raise EvalInputError("--no-new-loops needs generation, but --gen-tokens is 0")
     if gates.max_layer_error is not None and opts.layer_windows == 0:
@@ -380,32 +414,40 @@ def _name_outliers(result: dict[str, Any]) -> None:
         )
 
 
-def _run_niah(
-    ref_model: Any,
-    q_model: Any,
+def _continue_both(
+    models: dict[str, Any],
     tokenizer: Any,
-    built: Sequence[nh.NiahCase],
+    prompts: Sequence[tuple[int, torch.Tensor, int]],
     opts: EvalOptions,
-    dense_len: int | None,
+    phase: str,
     progress: Phases,
-) -> dict[str, Any] | None:
-    if not built:
-        return None
+) -> dict[str, list[dict[str, Any]]]:
+    """Greedy continuations of ``(length, ids, max_new_tokens)`` prompts by each model of ``models``, the prompts of
+    one length decoded together (each cut to its own ``max_new_tokens``: greedy tokens do not depend on how many
+    follow): per model and prompt the decoded text and the first non-finite step."""
+    lengths = list(dict.fromkeys(n for n, _, _ in prompts))
+    out: dict[str, list[dict[str, Any]]] = {name: [{} for _ in prompts] for name in models}
+    with progress.phase(phase, len(models) * len(lengths)) as step:
+        for name, model in models.items():
+            for n in lengths:
+                at = [i for i, p in enumerate(prompts) if p[0] == n]
+                done = gen.greedy_batch(
+                    model, [prompts[i][1] for i in at], max(prompts[i][2] for i in at), opts.attention
+                )
+                for i, g in zip(at, done, strict=True):
+                    text = tokenizer.decode(g.tokens[: prompts[i][2]], skip_special_tokens=True)
+                    out[name][i] = {"text": text, "nonfinite_step": g.nonfinite_step}
+                step()
+    return out
+
+
+def _niah_result(built: Sequence[nh.NiahCase], decoded: dict[str, list[dict[str, Any]]], opts: EvalOptions,
+                 dense_len: int | None) -> dict[str, Any]:  # fmt: skip
     cases = [case.summary() | {"attention": nh.effective_attention(opts.attention, case.length, dense_len)}
              for case in built]  # fmt: skip
-    longest = max(case.max_new_tokens for case in built)
-    with progress.phase("needle in a haystack", 2) as step:
-        for name, model in (("source", ref_model), ("quantized", q_model)):
-            # all cases in one batch; each case's answer is its first max_new_tokens (greedy: the same tokens)
-            done = gen.greedy_batch(model, [case.ids for case in built], longest, opts.attention)
-            for row, case, g in zip(cases, built, done, strict=True):
-                text = tokenizer.decode(g.tokens[: case.max_new_tokens], skip_special_tokens=True)
-                row[name] = {
-                    "text": text,
-                    "hit": nh.contains_value(text, case.value),
-                    "nonfinite_step": g.nonfinite_step,
-                }
-            step()
+    for name, rows in decoded.items():
+        for row, case, d in zip(cases, built, rows, strict=True):
+            row[name] = d | {"hit": nh.contains_value(d["text"], case.value)}
     lengths = list(dict.fromkeys(c.length for c in built))
     by_length = []
     for n in lengths:
@@ -427,6 +469,26 @@ def _run_niah(
         "source_rate": sum(c["source"]["hit"] for c in cases) / len(cases),
         "quantized_rate": sum(c["quantized"]["hit"] for c in cases) / len(cases),
     }
+
+
+def _tasks_result(built: Sequence[tk.TaskCase], decoded: dict[str, list[dict[str, Any]]], opts: EvalOptions,
+                  dense_len: int | None) -> dict[str, Any]:  # fmt: skip
+    """Each task case scored as ``tasks.score``, and the mean score per task and length of both models."""
+    cases = [c.summary() | {"attention": nh.effective_attention(opts.attention, c.length, dense_len)} for c in built]
+    for name, rows in decoded.items():
+        for row, case, d in zip(cases, built, rows, strict=True):
+            row[name] = d | {"score": tk.score(d["text"], case.answers)}
+    lengths = list(dict.fromkeys(c.length for c in built))
+    by_task = []
+    for task in dict.fromkeys(c.task for c in built):
+        for n in lengths:
+            rows = [c for c in cases if c["task"] == task and c["length"] == n]
+            src = sum(c["source"]["score"] for c in rows) / len(rows)
+            qnt = sum(c["quantized"]["score"] for c in rows) / len(rows)
+            by_task.append({"task": task, "length": n, "attention": rows[0]["attention"], "cases": len(rows),
+                            "source": src, "quantized": qnt, "drop": src - qnt})  # fmt: skip
+    return {"tasks": list(dict.fromkeys(c.task for c in built)), "lengths": lengths, "samples": opts.task_samples,
+            "cases": cases, "by_task": by_task}  # fmt: skip
 
 
 def _run_generation(

@@ -147,6 +147,16 @@ def render(result: dict[str, Any], console: Console) -> None:
         t.add_row("all", "", _pct(niah["source_rate"]), _pct(niah["quantized_rate"]))
         console.print(t)
 
+    tasks = result.get("tasks")
+    if tasks and tasks.get("by_task"):
+        t = Table(title=f"Long-context tasks (mean score of {tasks['samples']} case(s) each)")
+        for col in ("task", "length", "attention", "source", "quantized", "drop"):
+            t.add_column(col, justify="left" if col == "task" else "right")
+        for row in tasks["by_task"]:
+            t.add_row(row["task"], str(row["length"]), row["attention"], _pct(row["source"]), _pct(row["quantized"]),
+                      _pct(row["drop"], sign=True))  # fmt: skip
+        console.print(t)
+
     gen = result.get("generation")
     if gen and gen.get("prompts"):
         t = Table(title=f"Greedy generation ({gen['max_new_tokens']} tokens)")
@@ -229,13 +239,17 @@ def _flags(g: dict[str, Any]) -> str:
 
 
 def write_png(result: dict[str, Any], folder: Path) -> Path:
-    """Per-layer error bars, perplexity / KL / top-1, the per-token NLL-difference histogram and NIAH rates."""
+    """Per-layer error bars, perplexity / KL / top-1, the per-token NLL-difference histogram, NIAH rates and a panel
+    per long-context task (score against length, source and quantized)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    tasks = result.get("tasks") or {}
+    names = tasks.get("tasks") or []
+    rows = 2 + -(-len(names) // 2)  # a panel per task below the four
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
     ax = axes[0][0]
     layers = (result.get("layers") or {}).get("layers") or []
     if layers:
@@ -315,6 +329,19 @@ def write_png(result: dict[str, Any], folder: Path) -> Path:
         ax.set_title("needle in a haystack")
     else:
         _empty(ax, "NIAH not run")
+    for i, task in enumerate(names):
+        ax = axes[2 + i // 2][i % 2]
+        points = [r for r in tasks["by_task"] if r["task"] == task]
+        xs = list(range(len(points)))
+        for key, style in (("source", "o-"), ("quantized", "s--")):
+            ax.plot(xs, [_plot_value(r[key]) for r in points], style, label=key)
+        ax.set_xticks(xs, [f"{r['length']}\n{r['attention']}" for r in points])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel(f"mean score ({tasks['samples']} case(s) per length)")
+        ax.set_title(task)
+        ax.legend()
+    if len(names) % 2:
+        axes[-1][1].set_axis_off()
     fig.suptitle(f"{result['quantized']['path']} ({result['quantized']['format']}) vs {result['reference']['path']}")
     fig.tight_layout()
     path = folder / PNG_NAME

@@ -7,6 +7,7 @@
 | ``min_top1`` | the top-1 agreement of next-token predictions is below it (0.9 or "90%") |
 | ``max_layer_error`` | some decoder layer's relative output error exceeds it |
 | ``max_niah_drop`` | the quantized model's NIAH exact-match rate is below the source's by more than it |
+| ``max_task_drop`` | per task (``{"cwe": 0.05}``): the quantized model's mean score is below the source's by more |
 | ``max_rerun_diff`` | two runs of the quantized model on the same window differ by more than it (abs. logit) |
 | ``no_collapse`` | the quantized model collapses where the source does not, or gives a NaN/Inf logit anywhere |
 | ``no_new_loops`` | a greedy continuation of the quantized model loops where the source's does not |
@@ -40,6 +41,19 @@ def parse_fraction(text: str | float, name: str) -> float:
     return value
 
 
+def parse_task_drops(text: str, tasks: tuple[str, ...]) -> dict[str, float]:
+    """``"cwe=5%,vt=0.1"`` -> ``{"cwe": 0.05, "vt": 0.1}`` (each task one of ``tasks``)."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        task, sep, limit = part.partition("=")
+        if not sep or task.strip() not in tasks:
+            raise ValueError(f"--max-drop {part!r}: expected TASK=FRACTION with TASK one of {', '.join(tasks)}")
+        out[task.strip()] = parse_fraction(limit, f"--max-drop {task.strip()}")
+    if not out:
+        raise ValueError("--max-drop: no task given")
+    return out
+
+
 def parse_non_negative(text: str | float, name: str) -> float:
     try:
         value = float(text)
@@ -58,6 +72,7 @@ class Thresholds:
     max_layer_error: float | None = None
     max_niah_drop: float | None = None
     max_rerun_diff: float | None = None
+    max_task_drop: dict[str, float] | None = None
     no_collapse: bool = False
     no_new_loops: bool = False
 
@@ -133,6 +148,20 @@ class Thresholds:
                     f"NIAH exact match {_pct(niah['source_rate'], sign=False)} -> "
                     f"{_pct(niah['quantized_rate'], sign=False)} (largest drop allowed {_pct(self.max_niah_drop)})",
                 )
+        for task, limit in (self.max_task_drop or {}).items():
+            rows = [r for r in (result.get("tasks") or {}).get("by_task", []) if r["task"] == task]
+            if not rows:
+                missing(f"max_drop[{task}]", limit, f"task {task}")
+                continue
+            src = sum(r["source"] * r["cases"] for r in rows) / sum(r["cases"] for r in rows)
+            qnt = sum(r["quantized"] * r["cases"] for r in rows) / sum(r["cases"] for r in rows)
+            add(
+                f"max_drop[{task}]",
+                limit,
+                src - qnt,
+                _le(src - qnt, limit),
+                f"{task} score {_pct(src, sign=False)} -> {_pct(qnt, sign=False)} (largest drop allowed {_pct(limit)})",
+            )
         if self.max_rerun_diff is not None:
             st = result.get("stability")
             if st is None:
@@ -183,10 +212,11 @@ def collapse_problems(result: dict[str, Any]) -> list[str]:
     nonfinite = [i for i, g in enumerate(prompts) if g["quantized"]["nonfinite_step"] is not None]
     if nonfinite:
         problems.append(f"NaN/Inf logits while generating for prompt(s) {nonfinite}")
-    cases = (result.get("niah") or {}).get("cases", [])
-    bad = sum(c["quantized"]["nonfinite_step"] is not None for c in cases)
-    if bad:
-        problems.append(f"NaN/Inf logits in {bad} of {len(cases)} NIAH case(s)")
+    for what, key in (("NIAH", "niah"), ("task", "tasks")):
+        cases = (result.get(key) or {}).get("cases", [])
+        bad = sum(c["quantized"]["nonfinite_step"] is not None for c in cases)
+        if bad:
+            problems.append(f"NaN/Inf logits in {bad} of {len(cases)} {what} case(s)")
     return problems
 
 
