@@ -568,6 +568,9 @@ def eval_command(
         str, typer.Option(help='Task prompt lengths, e.g. "4k,32k,128k"; auto = the NIAH lengths.')
     ] = "auto",
     task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = 2,
+    kv_cache: Annotated[
+        str, typer.Option(help="The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3.")
+    ] = "bf16",
     layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
     report: Annotated[Path | None, typer.Option(help="Folder for eval.json / eval.png (default: the checkpoint).")] = (
         None
@@ -656,6 +659,7 @@ def eval_command(
             tasks=parse_tasks(tasks),
             task_lengths=parse_lengths(lengths, "--lengths"),
             task_samples=task_samples,
+            kv_cache=kv_cache,
             gen_tokens=gen_tokens,
             layer_windows=layer_windows,
             device=device,

@@ -23,6 +23,7 @@ from rich.console import Console
 
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
+from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
 from ..progress import Phases
 from ..runtime.load import ACTIVATIONS
 from . import generation as gen
@@ -61,6 +62,7 @@ class EvalOptions:
     tasks: list[str] = dataclasses.field(default_factory=list)  # long-context tasks (``tasks.TASKS``); none by default
     task_lengths: list[int] | None = None  # None: the NIAH default lengths
     task_samples: int = 2  # cases per task and length
+    kv_cache: str = "bf16"  # the export's minicpm4 KV cache as served (``model.kv_cache_dtype``); the source's stays
     gen_tokens: int = 40
     layer_windows: int = 2
     device: str = "auto"
@@ -97,6 +99,8 @@ class EvalOptions:
         unknown = [t for t in self.tasks if t not in tk.TASKS]
         if unknown:
             raise EvalInputError(f"--tasks: unknown task {unknown[0]!r}; expected {', '.join(tk.TASKS)} (or niah)")
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise EvalInputError(f"--kv-cache {self.kv_cache!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.task_samples < 1:
             raise EvalInputError(f"--task-samples {self.task_samples}: must be >= 1")
         if self.task_lengths is not None and any(n < 2 for n in self.task_lengths):
@@ -298,6 +302,7 @@ def run_eval(
         raise EvalInputError(f"--activations {opts.activations}: {quantized}: {exc}") from None
     ref_model = load(reference, **kw)
     q_model = load(quantized, **kw, activations=activations)
+    use_kv_cache_dtype(q_model, opts.kv_cache)
     timings["load"] = time.perf_counter() - t
 
     result: dict[str, Any] = {
@@ -305,7 +310,13 @@ def run_eval(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(dev),
-        "quantized": {"path": str(quantized), "format": qfmt, "activations": activations, "check": check},
+        "quantized": {
+            "path": str(quantized),
+            "format": qfmt,
+            "activations": activations,
+            "kv_cache": opts.kv_cache,
+            "check": check,
+        },
         "reference": {"path": str(reference), "format": rfmt},
         "settings": {
             **{k: v for k, v in dataclasses.asdict(opts).items() if k not in ("show_progress", "prompts")},

@@ -69,7 +69,8 @@ def render(result: dict[str, Any], console: Console) -> None:
     """The tables: perplexity/KL, NIAH, generation, per-layer error, thresholds."""
     q, r, d = result["quantized"], result["reference"], result["data"]
     console.print(
-        f"[bold]{q['path']}[/] ({q['format']}, {q.get('activations', 'bf16')} activations) vs [bold]{r['path']}[/] "
+        f"[bold]{q['path']}[/] ({q['format']}, {q.get('activations', 'bf16')} activations, "
+        f"{q.get('kv_cache', 'bf16')} KV cache) vs [bold]{r['path']}[/] "
         f"({r['format']}) on {result['device']}",
         highlight=False,
     )

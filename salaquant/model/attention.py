@@ -16,6 +16,7 @@ from torch import nn
 from .cache import LightningLayerCache, SparseLayerCache
 from .config import SalaConfig
 from .gla import alibi_slopes, simple_gla
+from .kv_cache_dtype import stored
 from .layers import RMSNorm, apply_rope
 from .sparse_attention import SparseParams, compress_keys, extend_compressed, infllm_v2_attention
 from .static_cache import StaticLightningCache, StaticSparseCache, decode_attention
@@ -76,6 +77,7 @@ class SparseAttention(nn.Module):
         self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
         self.sparse_fn = infllm_v2_attention  # the reference; the runtime binds a backend (use_layer_kernels)
         self.decode_backend = "reference"  # static-cache decode attention; the runtime sets it too
+        self.kv_cache_dtype = "bf16"  # how the KV cache stores keys and values (``kv_cache_dtype.stored``)
 
     def use_sparse(self, total_len: int, mode: str) -> bool:
         if mode == "dense":
@@ -104,6 +106,8 @@ class SparseAttention(nn.Module):
         if self.use_rope:
             assert rope is not None
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kv_cache_dtype != "bf16":  # what an FP8 cache gives back (the keys after RoPE, as stored)
+            k, v = stored(k, self.kv_cache_dtype), stored(v, self.kv_cache_dtype)
         scale = self.head_dim**-0.5
         if isinstance(cache, StaticSparseCache):
             out = decode_attention(q, k, v, cache, self.sparse, self.dense_len, mode, self.decode_backend)
