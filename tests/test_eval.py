@@ -293,6 +293,14 @@ def test_checked_greedy_equals_model_greedy() -> None:
     assert stopped.tokens == g.tokens[: g.tokens.index(eos) + 1]  # stops after EOS, which is kept
 
 
+def test_token_shares_by_hand() -> None:
+    from salaquant.eval.generation import token_shares
+
+    got = token_shares([5, 0, 0, 0, 7, 3, 0, 3], unk_id=3)
+    assert got == {"top_token": 0, "top_share": 0.5, "unk_share": 0.25, "token0_share": 0.5, "longest_run": 3}
+    assert token_shares([], None)["top_share"] == 0.0 and token_shares([4], None)["unk_share"] == 0.0
+
+
 def test_collapse_and_divergence_by_hand() -> None:
     assert collapse([3] * 16, unk_id=0) == "token 3 repeated 16 times"
     assert collapse([3] * 15 + [4], unk_id=0) == ""  # a run of 15 < 16

@@ -14,6 +14,7 @@ Decoding stops after the EOS token (which is kept) or ``max_new_tokens``.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,22 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def token_shares(tokens: list[int], unk_id: int | None) -> dict[str, Any]:
+    """The measures behind ``collapse``: the most frequent token and its share of the continuation, the share of
+    the unknown token and of token 0 (the id the seeds' collapsed answers filled with), and the longest run of one
+    token."""
+    if not tokens:
+        return {"top_token": None, "top_share": 0.0, "unk_share": 0.0, "token0_share": 0.0, "longest_run": 0}
+    top, count = Counter(tokens).most_common(1)[0]
+    return {
+        "top_token": top,
+        "top_share": count / len(tokens),
+        "unk_share": (sum(t == unk_id for t in tokens) / len(tokens)) if unk_id is not None else 0.0,
+        "token0_share": sum(t == 0 for t in tokens) / len(tokens),
+        "longest_run": longest_run(tokens)[1],
+    }
+
+
 def check_continuation(g: Greedy, unk_id: int | None) -> dict[str, Any]:
     loop = find_loop(g.tokens)
     return {
@@ -148,7 +165,7 @@ def check_continuation(g: Greedy, unk_id: int | None) -> dict[str, Any]:
         "collapse": collapse(g.tokens, unk_id),
         "loop": loop.summary() if loop is not None else None,
         "nonfinite_step": g.nonfinite_step,
-    }
+    } | token_shares(g.tokens, unk_id)
 
 
 def load_prompts(path: Path, tokenizer: Any) -> list[str]:
