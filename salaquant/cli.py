@@ -568,6 +568,12 @@ def eval_command(
         str, typer.Option(help='Task prompt lengths, e.g. "4k,32k,128k"; auto = the NIAH lengths.')
     ] = "auto",
     task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = 2,
+    temperature: Annotated[
+        float, typer.Option(help="NIAH, tasks and generation: 0 greedy, else sampled at this temperature.")
+    ] = 0.0,
+    repeat: Annotated[
+        int, typer.Option(help="Runs of NIAH, tasks and generation with different seeds (needs --temperature).")
+    ] = 1,
     kv_cache: Annotated[
         str, typer.Option(help="The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3.")
     ] = "bf16",
@@ -660,6 +666,8 @@ def eval_command(
             task_lengths=parse_lengths(lengths, "--lengths"),
             task_samples=task_samples,
             kv_cache=kv_cache,
+            temperature=temperature,
+            repeat=repeat,
             gen_tokens=gen_tokens,
             layer_windows=layer_windows,
             device=device,

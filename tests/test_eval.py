@@ -404,3 +404,30 @@ def test_nvfp4_evaluated_w4a4_by_default(export: Path, tmp_path: Path) -> None:
         run_eval(export, MODEL, _opts(activations="fp4", **fast), Thresholds(), tmp_path / "c", QUIET)
     with pytest.raises(EvalInputError, match="--activations"):
         run_eval(export, MODEL, _opts(activations="int8", **fast), Thresholds(), tmp_path / "d", QUIET)
+
+
+def test_repeated_sampled_runs_report_their_spread(identity_export: Path, tmp_path: Path) -> None:
+    """``repeat`` runs NIAH and generation again with new sampling seeds: identical models draw identically in
+    each run, the first run is what a single run with the same seed gives, and the spread is each measure's."""
+    kw = {"niah_lengths": [300], "niah_depths": (0.5,), "layer_windows": 0, "windows": 1, "temperature": 1.0}
+    r = run_eval(identity_export, MODEL, _opts(repeat=3, **kw), None, tmp_path / "a", QUIET)
+    once = run_eval(identity_export, MODEL, _opts(**kw), None, tmp_path / "b", QUIET)
+    runs = r["repeats"]["runs"]
+    assert len(runs) == 3 and r["repeats"]["temperature"] == 1.0
+    for run in runs:
+        assert run["niah_source_rate"] == run["niah_quantized_rate"] and run["identical"] == len(PROMPTS)
+    assert r["generation"] == once["generation"] and "repeats" not in once
+    texts = {g["quantized"]["text"] for g in r["generation"]["prompts"]}
+    assert len(texts) == len(PROMPTS)
+    for name, sp in r["repeats"]["spread"].items():
+        xs = [run[name] for run in runs]
+        assert sp["min"] == min(xs) and sp["max"] == max(xs) and sp["mean"] == pytest.approx(sum(xs) / 3)
+    from salaquant.eval.command import _draw
+    from salaquant.eval.generation import continue_batch
+
+    model, ids = load_model(MODEL), [torch.arange(5, 30)]
+    draws = [continue_batch(model, ids, 24, "auto", None, *_draw(_opts(**kw), run))[0].tokens for run in range(3)]
+    assert len({tuple(d) for d in draws}) == 3  # each run draws other tokens
+    assert draws[1] == continue_batch(model, ids, 24, "auto", None, *_draw(_opts(**kw), 1))[0].tokens
+    with pytest.raises(EvalInputError, match="--repeat 2 needs --temperature"):
+        run_eval(identity_export, MODEL, _opts(repeat=2), None, tmp_path / "c", QUIET)

@@ -24,6 +24,7 @@ from rich.console import Console
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
+from ..model.sampling import Sampling
 from ..progress import Phases
 from ..runtime.load import ACTIVATIONS
 from . import generation as gen
@@ -62,6 +63,8 @@ class EvalOptions:
     tasks: list[str] = dataclasses.field(default_factory=list)  # long-context tasks (``tasks.TASKS``); none by default
     task_lengths: list[int] | None = None  # None: the NIAH default lengths
     task_samples: int = 2  # cases per task and length
+    temperature: float = 0.0  # NIAH, tasks and generation: 0 greedy, else sampled
+    repeat: int = 1  # runs of NIAH, tasks and generation with different sampling seeds (needs temperature > 0)
     kv_cache: str = "bf16"  # the export's minicpm4 KV cache as served (``model.kv_cache_dtype``); the source's stays
     gen_tokens: int = 40
     layer_windows: int = 2
@@ -99,6 +102,12 @@ class EvalOptions:
         unknown = [t for t in self.tasks if t not in tk.TASKS]
         if unknown:
             raise EvalInputError(f"--tasks: unknown task {unknown[0]!r}; expected {', '.join(tk.TASKS)} (or niah)")
+        if not self.temperature >= 0:
+            raise EvalInputError(f"--temperature {self.temperature}: must be >= 0")
+        if self.repeat < 1:
+            raise EvalInputError(f"--repeat {self.repeat}: must be >= 1")
+        if self.repeat > 1 and self.temperature == 0:
+            raise EvalInputError(f"--repeat {self.repeat} needs --temperature > 0 (greedy runs are all the same)")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise EvalInputError(f"--kv-cache {self.kv_cache!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.task_samples < 1:
@@ -349,18 +358,27 @@ def run_eval(
             ("niah", cases, "needle in a haystack", _niah_result),
             ("tasks", task_cases, "long-context tasks", _tasks_result),
         )
-        for key, built, phase, scored in families:
+        runs = []
+        for run in range(opts.repeat):
+            checks: dict[str, Any] = {}
+            for key, built, phase, scored in families:
+                t = time.perf_counter()
+                checks[key] = None
+                if built:
+                    queue = [(c.length, c.ids, c.max_new_tokens) for c in built]
+                    decoded = _continue_both(both, tokenizer, queue, opts, phase, progress, run)
+                    checks[key] = scored(built, decoded, opts, qcfg.dense_len)
+                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
             t = time.perf_counter()
-            result[key] = None
-            if built:
-                queue = [(c.length, c.ids, c.max_new_tokens) for c in built]
-                decoded = _continue_both(both, tokenizer, queue, opts, phase, progress)
-                result[key] = scored(built, decoded, opts, qcfg.dense_len)
-            timings[key] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        result["generation"] = _run_generation(ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, progress)
-        timings["generation"] = time.perf_counter() - t
+            checks["generation"] = _run_generation(
+                ref_model, q_model, tokenizer, prompts, opts, eos_id, unk_id, progress, run
+            )
+            timings["generation"] = timings.get("generation", 0.0) + time.perf_counter() - t
+            if run == 0:
+                result.update(checks)
+            runs.append(_run_measures(checks))
+        if opts.repeat > 1:
+            result["repeats"] = {"runs": runs, "temperature": opts.temperature, "spread": _spread(runs)}
 
         t = time.perf_counter()
         if opts.layer_windows > 0:
@@ -425,6 +443,40 @@ def _name_outliers(result: dict[str, Any]) -> None:
         )
 
 
+def _run_measures(checks: dict[str, Any]) -> dict[str, float]:
+    """The headline numbers of one run of the decoding checks, by name."""
+    out: dict[str, float] = {}
+    if checks.get("niah"):
+        out["niah_source_rate"] = checks["niah"]["source_rate"]
+        out["niah_quantized_rate"] = checks["niah"]["quantized_rate"]
+    for row in (checks.get("tasks") or {}).get("by_task", []):
+        out[f"{row['task']}@{row['length']}_source"] = row["source"]
+        out[f"{row['task']}@{row['length']}_quantized"] = row["quantized"]
+    g = checks.get("generation")
+    if g:
+        for k in ("collapsed_source", "collapsed_quantized", "loops_source", "loops_quantized", "identical"):
+            out[k] = float(g[k])
+    return out
+
+
+def _spread(runs: Sequence[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """min, max, mean and (population) standard deviation of each measure over the runs."""
+    out = {}
+    for key in runs[0]:
+        xs = [r[key] for r in runs]
+        mean = sum(xs) / len(xs)
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+        out[key] = {"min": min(xs), "max": max(xs), "mean": mean, "std": std}
+    return out
+
+
+def _draw(opts: EvalOptions, run: int) -> tuple[Sampling | None, int | None]:
+    """Sampling and seed of run ``run`` (greedy with ``temperature`` 0); both models draw with the same seed."""
+    if opts.temperature == 0:
+        return None, None
+    return Sampling(temperature=opts.temperature), opts.seed * 1_000_003 + run
+
+
 def _continue_both(
     models: dict[str, Any],
     tokenizer: Any,
@@ -432,19 +484,20 @@ def _continue_both(
     opts: EvalOptions,
     phase: str,
     progress: Phases,
+    run: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:
     """Greedy continuations of ``(length, ids, max_new_tokens)`` prompts by each model of ``models``, the prompts of
     one length decoded together (each cut to its own ``max_new_tokens``: greedy tokens do not depend on how many
     follow): per model and prompt the decoded text and the first non-finite step."""
     lengths = list(dict.fromkeys(n for n, _, _ in prompts))
     out: dict[str, list[dict[str, Any]]] = {name: [{} for _ in prompts] for name in models}
+    draw = _draw(opts, run)
     with progress.phase(phase, len(models) * len(lengths)) as step:
         for name, model in models.items():
             for n in lengths:
                 at = [i for i, p in enumerate(prompts) if p[0] == n]
-                done = gen.greedy_batch(
-                    model, [prompts[i][1] for i in at], max(prompts[i][2] for i in at), opts.attention
-                )
+                longest = max(prompts[i][2] for i in at)
+                done = gen.continue_batch(model, [prompts[i][1] for i in at], longest, opts.attention, None, *draw)
                 for i, g in zip(at, done, strict=True):
                     text = tokenizer.decode(g.tokens[: prompts[i][2]], skip_special_tokens=True)
                     out[name][i] = {"text": text, "nonfinite_step": g.nonfinite_step}
@@ -511,14 +564,17 @@ def _run_generation(
     eos_id: int | None,
     unk_id: int | None,
     progress: Phases,
+    run: int = 0,
 ) -> dict[str, Any] | None:
     if opts.gen_tokens == 0 or not prompts:
         return None
+    draw = _draw(opts, run)
     rows: list[dict[str, Any]] = [{"prompt": prompt} for prompt in prompts]
     ids = [torch.tensor(tokenizer(prompt)["input_ids"], dtype=torch.long) for prompt in prompts]
     with progress.phase("generation", 2) as step:
         for name, model in (("source", ref_model), ("quantized", q_model)):
-            for row, g in zip(rows, gen.greedy_batch(model, ids, opts.gen_tokens, opts.attention, eos_id), strict=True):
+            done = gen.continue_batch(model, ids, opts.gen_tokens, opts.attention, eos_id, *draw)
+            for row, g in zip(rows, done, strict=True):
                 row[name] = gen.check_continuation(g, unk_id) | {
                     "text": tokenizer.decode(g.tokens, skip_special_tokens=False)
                 }

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..model.sampling import Sampling
+
 COLLAPSE_RUN = 16
 UNK_FRACTION = 0.25
 LOOP_MAX_PERIOD = 16
@@ -56,22 +58,33 @@ class Greedy:
     nonfinite_step: int | None  # 0: the prefill's logits; k: the k-th decode step; None: all finite
 
 
-def greedy_batch(
-    model: Any, prompts: Sequence[torch.Tensor], max_new_tokens: int, attention_mode: str, eos_id: int | None = None
+def continue_batch(
+    model: Any,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    attention_mode: str,
+    eos_id: int | None = None,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
 ) -> list[Greedy]:
-    """Greedy continuations of 1-D ``prompts``, decoded together by the runtime's ``Decoder`` (static cache; a
-    CUDA graph per step on a GPU), checking every logit and the prefill's hidden states at every position."""
+    """Continuations of 1-D ``prompts`` (greedy, or drawn as ``sampling`` says from a generator seeded with
+    ``seed``), decoded together by the runtime's ``Decoder`` (static cache; a CUDA graph per step on a GPU),
+    checking every logit and the prefill's hidden states at every position."""
     from ..runtime.decode import Decoder
 
-    out = Decoder(model, attention_mode=attention_mode).generate_checked(prompts, max_new_tokens, eos_token_id=eos_id)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    out = Decoder(model, attention_mode=attention_mode).generate_checked(
+        prompts, max_new_tokens, sampling, generator=generator, eos_token_id=eos_id
+    )
     return [Greedy(c.tokens.tolist(), c.nonfinite_step) for c in out]
 
 
 def greedy(
     model: Any, input_ids: torch.Tensor, max_new_tokens: int, attention_mode: str, eos_id: int | None = None
 ) -> Greedy:
-    """``greedy_batch`` of one prompt ``input_ids [1, T]``."""
-    return greedy_batch(model, [input_ids[0]], max_new_tokens, attention_mode, eos_id)[0]
+    """Greedy ``continue_batch`` of one prompt ``input_ids [1, T]``."""
+    return continue_batch(model, [input_ids[0]], max_new_tokens, attention_mode, eos_id)[0]
 
 
 def longest_run(tokens: list[int]) -> tuple[int | None, int]:

@@ -158,6 +158,15 @@ def render(result: dict[str, Any], console: Console) -> None:
                       _pct(row["drop"], sign=True))  # fmt: skip
         console.print(t)
 
+    reps = result.get("repeats")
+    if reps and reps.get("spread"):
+        t = Table(title=f"{len(reps['runs'])} runs sampled at temperature {reps['temperature']:g}: spread per measure")
+        for col in ("measure", "min", "max", "mean", "std"):
+            t.add_column(col, justify="left" if col == "measure" else "right")
+        for name, sp in reps["spread"].items():
+            t.add_row(name, *(f"{sp[k]:.4g}" for k in ("min", "max", "mean", "std")))
+        console.print(t)
+
     gen = result.get("generation")
     if gen and gen.get("prompts"):
         t = Table(title=f"Greedy generation ({gen['max_new_tokens']} tokens)")
