@@ -93,21 +93,16 @@ class _Builder:
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
-    def fill(self, items: Callable[[int], str], required: int = 0) -> list[list[int]]:
-        """Encoded items ``items(0), items(1), ...`` while they fit the budget (at least ``required`` of them)."""
+    def fill(self, items: Callable[[int], str]) -> list[list[int]]:
+        """Encoded items ``items(0), items(1), ...`` while they fit the budget."""
         out: list[list[int]] = []
         used = 0
-        i = 0
         while True:
-            ids = self.encode(items(i))
-            if used + len(ids) > self.budget and i >= required:
-                break
+            ids = self.encode(items(len(out)))
+            if used + len(ids) > self.budget:
+                return out
             out.append(ids)
             used += len(ids)
-            i += 1
-        if used > self.budget:
-            raise ValueError(f"length {self.length}: too short for this task ({used - self.budget} tokens over)")
-        return out
 
     def ids(self, body: Sequence[Sequence[int]]) -> torch.Tensor:
         flat = [t for part in body for t in part]

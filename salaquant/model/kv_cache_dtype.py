@@ -28,7 +28,7 @@ def stored(x: torch.Tensor, name: str, scale: float = 1.0) -> torch.Tensor:
     fp8 = KV_CACHE_DTYPES[name]
     if fp8 is None:
         return x
-    return ((x / scale).to(fp8).to(x.dtype) * scale) if scale != 1.0 else x.to(fp8).to(x.dtype)
+    return (x / scale).to(fp8).to(x.dtype) * scale
 
 
 def use_kv_cache_dtype(model: torch.nn.Module, name: str) -> None:
