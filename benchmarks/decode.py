@@ -11,7 +11,8 @@ sample (speed depends on the format, not on how the weights were chosen), then f
   (the step compiled by ``torch.compile``, then captured); each graph is captured by a first call and timed on a
   second, and the compile and capture time is reported apart;
 * **batches** ``--batches`` of ``--batch-context``-token prompts: aggregate decode tokens/s, compiled;
-* **prefill** of one ``--long``-token prompt (the sparse path) and of 16 x 4,096 tokens: seconds;
+* **prefill** of one ``--long``-token prompt (the sparse path) and of 16 x 4,096 tokens: seconds (``--long 0``
+  skips both);
 * with ``--profile``, where a batch-1 decode step's GPU time goes (torch.profiler over eager steps, kernels
   grouped as GEMM / attention / norms and element-wise / other) and the host time per eager step.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results import write_results
+from results import shape_parser, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -135,13 +136,14 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
     state, _ = dec._state(1, len(prompt) + steps + 2)
     step = dec.step_fn()
     state.cache.lengths.fill_(len(prompt))
-    wall = _timed(lambda: [step(state) for _ in range(steps)], device) / steps  # unprofiled
-    state.cache.lengths.fill_(len(prompt))
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            step(state)
-        _sync(device)
+    with torch.no_grad():  # as generate runs it: a compiled step seen with grad mode on would compile again
+        wall = _timed(lambda: [step(state) for _ in range(steps)], device) / steps  # unprofiled
+        state.cache.lengths.fill_(len(prompt))
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                step(state)
+            _sync(device)
     groups: dict[str, float] = {name: 0.0 for name, _ in _GROUPS} | {"other": 0.0}
     kernels: dict[str, float] = {}
     launches = 0
@@ -191,13 +193,14 @@ def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         prompts = [_ids(args.batch_context, vocab, 10 + i) for i in range(b)]
         row["batches"][b] = decoder_rates(dec, prompts, args.new_tokens)
         print(f"  batch {b}: {row['batches'][b]}", flush=True)
-    dec = Decoder(model, compile=True)
-    long = _ids(args.long, vocab, 1)
-    dec.generate([long], 1)
-    row["prefill_long_s"] = round(dec.timings.prefill, 2)
-    many = [_ids(4096 if args.preset == "full" else args.batch_context, vocab, 100 + i) for i in range(16)]
-    dec.generate(many, 1)
-    row["prefill_16_s"] = round(dec.timings.prefill, 2)
+    if args.long > 0:
+        dec = Decoder(model, compile=True)
+        long = _ids(args.long, vocab, 1)
+        dec.generate([long], 1)
+        row["prefill_long_s"] = round(dec.timings.prefill, 2)
+        many = [_ids(4096 if args.preset == "full" else args.batch_context, vocab, 100 + i) for i in range(16)]
+        dec.generate(many, 1)
+        row["prefill_16_s"] = round(dec.timings.prefill, 2)
     del model, dec
     gc.collect()
     if dev.startswith("cuda"):
@@ -206,10 +209,7 @@ def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--preset", default="full")
-    ap.add_argument("--device", default="cuda")
+    ap = shape_parser(__doc__)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])
@@ -265,7 +265,8 @@ def main() -> None:
         t.add_column(col, justify="left" if col == "export" else "right")
     for name, r in rows.items():
         cells = [f"{r['batches'][b]['decode_tokens_per_s']:.0f}" for b in args.batches]
-        t.add_row(name, *cells, f"{r['prefill_long_s']:.2f}", f"{r['prefill_16_s']:.2f}")
+        prefill = [f"{r[k]:.2f}" if k in r else "-" for k in ("prefill_long_s", "prefill_16_s")]
+        t.add_row(name, *cells, *prefill)
     Console().print(t)
     if not args.keep:
         shutil.rmtree(args.scratch, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -13,3 +14,13 @@ def write_results(out: Path, default_name: str, payload: object, indent: int | N
     path.write_text(json.dumps(payload, indent=indent))
     print(f"wrote {path}")
     return path
+
+
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark at a model preset's shape: ``--out``, ``--preset`` (default ``full``, the
+    published shape) and ``--device``; the description is the first paragraph of ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--device", default="cuda")
+    return ap

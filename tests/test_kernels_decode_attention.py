@@ -9,7 +9,7 @@ import torch
 
 from salaquant.kernels.decode_attention import masked_decode_attention
 
-pytestmark = [pytest.mark.interpreter, pytest.mark.random_inputs]
+pytestmark = pytest.mark.random_inputs
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -25,12 +25,13 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize(("b", "hkv", "g", "c"), [(2, 2, 16, 200), (1, 3, 3, 64), (3, 1, 5, 129)])
-def test_kernel_matches_reference(dtype: torch.dtype, b: int, hkv: int, g: int, c: int) -> None:
+@pytest.mark.parametrize(("b", "hkv", "g", "c", "d"), [(2, 2, 16, 200, 32), (1, 3, 3, 64, 8), (3, 1, 5, 129, 24)])
+def test_kernel_matches_reference(dtype: torch.dtype, b: int, hkv: int, g: int, c: int, d: int) -> None:
     """Random masks (one head keeping a single key, one keeping all), a key count that is not a multiple of the
-    block, G below the 16-row tile, and the static cache's [B, C, Hkv, D] layout cut from a larger buffer."""
-    d = 32
+    block, G below the 16-row tile, head dims below the 16-wide tile and not a power of two, and the static cache's
+    [B, C, Hkv, D] layout cut from a larger buffer."""
     q = torch.randn(b, hkv, g, d).to(dtype)
     kbuf = (torch.randn(b, c + 7, hkv, d) * 2).to(dtype)
     vbuf = torch.randn(b, c + 7, hkv, d).to(dtype)
@@ -48,6 +49,7 @@ def test_kernel_matches_reference(dtype: torch.dtype, b: int, hkv: int, g: int, 
     torch.testing.assert_close(got[0, 0].double(), v[0, c - 1, 0].double().expand(g, d), rtol=tol, atol=tol)
 
 
+@pytest.mark.interpreter
 def test_all_masked_gives_nan_and_bad_shapes_are_refused() -> None:
     q = torch.randn(1, 1, 4, 16)
     k = v = torch.randn(1, 70, 1, 16)
@@ -55,10 +57,11 @@ def test_all_masked_gives_nan_and_bad_shapes_are_refused() -> None:
     assert torch.isnan(masked_decode_attention(q, k, v, mask, 0.25)).all()
     with pytest.raises(ValueError, match="mask"):
         masked_decode_attention(q, k, v, mask[:, :, :-1], 0.25)
-    with pytest.raises(ValueError, match="head_dim"):
-        masked_decode_attention(q[..., :12], k[..., :12], v[..., :12], mask, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        masked_decode_attention(torch.randn(1, 1, 4, 32)[..., ::2], k, v, mask, 0.25)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["dense", "sparse", "auto"])
 def test_static_cache_decode_attention_takes_the_kernel(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``static_cache.decode_attention`` on its Triton path gives its reference path's output and cache, with rows
@@ -89,3 +92,31 @@ def test_static_cache_decode_attention_takes_the_kernel(mode: str, monkeypatch: 
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-3)
     for a, e in zip((caches[1].k, caches[1].v, caches[1].k1), (caches[0].k, caches[0].v, caches[0].k1), strict=True):
         assert torch.equal(a, e)
+
+
+def _reference_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """fp64 masked softmax attention, vectorised over rows and heads (the GPU test's sizes)."""
+    s = torch.einsum("bhgd,bchd->bhgc", q.double(), k.double()) * scale
+    s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    return torch.einsum("bhgc,bchd->bhgd", torch.softmax(s, dim=-1), v.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "c", "lengths"), [(1, 8448, [8193]), (16, 2304, list(range(2049, 2305, 16)))])
+def test_gpu_kernel_at_the_minicpm4_shape(dtype: torch.dtype, b: int, c: int, lengths: list[int]) -> None:
+    """The real layers' 2 KV heads of 16 query heads, head_dim 128, over a static buffer filled to each row's
+    length (one 8K row; 16 rows of different lengths), with sparse-looking masks on half the heads."""
+    hkv, g, d = 2, 16, 128
+    q = torch.randn(b, hkv, g, d, device="cuda").to(dtype)
+    k = (torch.randn(b, c, hkv, d, device="cuda") * 2).to(dtype)
+    v = torch.randn(b, c, hkv, d, device="cuda").to(dtype)
+    pos = torch.arange(c, device="cuda")
+    mask = (pos[None, :] < torch.tensor(lengths, device="cuda")[:, None])[:, None, :].expand(b, hkv, c).clone()
+    mask[:, 1] &= torch.rand(b, c, device="cuda") < 0.3
+    scale = d**-0.5
+    got = masked_decode_attention(q, k, v, mask, scale)
+    torch.cuda.synchronize()
+    ref = _reference_batched(q, k, v, mask, scale)
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err

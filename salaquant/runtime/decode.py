@@ -78,7 +78,7 @@ class Decoder:
     attention_mode: str | None = None
     timings: Timings = field(default_factory=Timings)
     _captured: dict[tuple[int, str], _Graph] = field(default_factory=dict)
-    _compiled: Callable[[_Graph], torch.Tensor] | None = None
+    _compiled: Callable[[torch.Tensor, StaticCache], torch.Tensor] | None = None
 
     def _device(self) -> torch.device:
         return self.model.model.embed_tokens.weight.device
@@ -89,22 +89,27 @@ class Decoder:
     def _use_graphs(self) -> bool:
         return self.graphs and self._device().type == "cuda"
 
-    def _step(self, state: _Graph) -> torch.Tensor:
-        out = self.model(state.tokens, cache=state.cache, attention_mode=self._mode())
+    def _logits(self, tokens: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        out = self.model(tokens, cache=cache, attention_mode=self._mode())
         return out.logits[:, -1]
 
+    def _step(self, state: _Graph) -> torch.Tensor:
+        return self._logits(state.tokens, state.cache)
+
     def step_fn(self) -> Callable[[_Graph], torch.Tensor]:
-        """The decode step a graph captures: ``_step`` compiled by ``torch.compile`` with ``compile`` on CUDA
+        """The decode step a graph captures: the step compiled by ``torch.compile`` with ``compile`` on CUDA
         (the element-wise work between the matrix products fused into few kernels; the products stay the
-        project's kernels, ``kernels.ops``), else ``_step`` itself."""
+        project's kernels, ``kernels.ops``), else ``_step`` itself. The compiled function takes the tokens and the
+        cache, not the state, so that setting the state's captured logits does not make it compile again."""
         if not (self.compile and self._use_graphs()):
             return self._step
         if self._compiled is None:
             # one compilation per batch bucket and cache capacity (and per Decoder): more than dynamo's default
             # of 8 variants of one function before it falls back to eager
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._compiled = torch.compile(self._step, dynamic=False)
-        return self._compiled
+            self._compiled = torch.compile(self._logits, dynamic=False)
+        compiled = self._compiled
+        return lambda state: compiled(state.tokens, state.cache)
 
     def _mode(self) -> str:
         return self.attention_mode or self.model.attention_mode

@@ -1,0 +1,5 @@
+"""``python -m salaquant``: the command line, as the ``salaquant`` script runs it."""
+
+from .cli import main
+
+main()
