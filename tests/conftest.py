@@ -37,6 +37,25 @@ def tiny_ckpt_rope(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(out, cfg, seed=2, std=0.05)
 
 
+def small_nvfp4_export(source: Path, out: Path) -> Path:
+    """An NVFP4 export of ``source`` from one 64-token calibration sample, no scale search (quick on a CPU)."""
+    from rich.console import Console
+
+    from salaquant.calib_data import CalibOptions
+    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.layer import NVFP4LayerOptions
+
+    return run_nvfp4(
+        source,
+        out,
+        [str(Path(__file__).resolve().parents[1] / "calib" / "sala-tiny-calib.jsonl")],
+        CalibOptions(max_samples=1, max_len=64),
+        NVFP4LayerOptions(mse_iters=0),
+        NVFP4RunOptions(device="cpu", show_progress=False),
+        Console(quiet=True),
+    )
+
+
 @pytest.fixture(scope="session")
 def shipped_rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A W4 g128 round-to-nearest GPTQ export of the shipped model (2 calibration samples of 128 tokens)."""

@@ -9,30 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
+from conftest import small_nvfp4_export
 
-from salaquant.calib_data import CalibOptions
 from salaquant.model.static_cache import StaticCache, StaticLightningCache
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
-from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.decode import Decoder
 from salaquant.runtime.load import load
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def nvfp4_export(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_nvfp4(
-        fp32_model,
-        tmp_path_factory.mktemp("nvfp4") / "out",
-        [str(ROOT / "calib" / "sala-tiny-calib.jsonl")],
-        CalibOptions(max_samples=1, max_len=64),
-        NVFP4LayerOptions(mse_iters=0),
-        NVFP4RunOptions(device="cpu", show_progress=False),
-        Console(quiet=True),
-    )
+    return small_nvfp4_export(fp32_model, tmp_path_factory.mktemp("nvfp4") / "out")
 
 
 @pytest.mark.parametrize("case", ["bf16", "gptq", "nvfp4", "nvfp4-w4a4"])
