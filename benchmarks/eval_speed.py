@@ -67,19 +67,20 @@ def setup(scratch: Path, preset: str, device: str) -> dict[str, float]:
     return {"checkpoint_s": round(t1 - t0, 1), "export_s": round(time.perf_counter() - t1, 1)}
 
 
-def run_eval(scratch: Path, out: Path, name: str, device: str, timeout: float) -> dict[str, Any]:
-    """One eval process: its exit status, wall seconds and phase timings."""
-    report = out / name
+def run_eval(scratch: Path, out: Path, name: str, device: str, timeout: float, key: str) -> dict[str, Any]:
+    """One eval process of the run ``name`` (its report and log under ``key``): its exit status, wall seconds and
+    phase timings."""
+    report = out / key
     cmd = [sys.executable, "-m", "salaquant", "eval", str(scratch / "gptq"), "-r", str(scratch / "bf16")]
     cmd += ["--device", device, "--report", str(report), *RUNS[name]]
     t0 = time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
+    with open(out / f"{key}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     row: dict[str, Any] = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "args": RUNS[name]}
     result = report / "eval.json"
     if result.exists():
         row["timings_s"] = json.loads(result.read_text())["timings_s"]
-    print(f"{name}: {row}", flush=True)
+    print(f"{key}: {row}", flush=True)
     return row
 
 
@@ -88,13 +89,17 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--timeout", type=float, default=900.0, help="Seconds one eval may take before it is stopped.")
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/salaquant-eval-speed"))
+    ap.add_argument("--repeat", type=int, default=1, help="Run each eval this many times, one after the other.")
+    ap.add_argument("--keep", action="store_true", help="Keep the checkpoints in --scratch.")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"setup": setup(args.scratch, args.preset, args.device), "runs": {}}
     print(f"setup: {result['setup']}", flush=True)
     for name in args.runs:
-        result["runs"][name] = run_eval(args.scratch, args.out, name, args.device, args.timeout)
-        write_results(args.out, "eval_speed.json", result)
+        for i in range(args.repeat):  # the first run of a fresh machine also compiles Triton's kernels
+            key = name if i == 0 else f"{name}-{i + 1}"
+            result["runs"][key] = run_eval(args.scratch, args.out, name, args.device, args.timeout, key)
+            write_results(args.out, "eval_speed.json", result)
     phases = sorted({k for r in result["runs"].values() for k in r.get("timings_s", {})} - {"total"})
     t = Table(title=f"salaquant eval wall seconds, {args.preset} shape, GPTQ W4A16 against bf16")
     for col in ("run", "rc", "wall", "eval total", *phases):
@@ -104,7 +109,8 @@ def main() -> None:
         cells = [f"{tim[p]:.1f}" if p in tim else "-" for p in ("total", *phases)]
         t.add_row(name, str(r["rc"]), f"{r['wall_s']:.1f}", *cells)
     Console().print(t)
-    shutil.rmtree(args.scratch, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(args.scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,7 @@ def run_eval(
     ``eval.png`` into ``report_dir`` when one is given; nothing is written otherwise). ``result["passed"]`` is False
     when a threshold was missed. Raises ``EvalInputError`` / ``CheckpointError`` / ``ConfigError`` /
     ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
+    started = time.perf_counter()  # timings_s["prepare"]: imports, configs, tokenizer, text and prompts
     from .. import __version__
     from ..engine import resolve_device
     from ..runtime.load import checkpoint_format, load, resolve_activations
@@ -295,8 +296,8 @@ def run_eval(
     if too_long:
         notes.append(f"NIAH lengths {too_long} exceed max_position_embeddings {qcfg.max_position_embeddings}")
 
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    timings: dict[str, float] = {"prepare": t0 - started}
     check = _format_check(quantized, opts.tp)  # CheckError stops eval here
     timings["format_check"] = time.perf_counter() - t0
 
@@ -396,7 +397,7 @@ def run_eval(
     result["failures"] = [c["message"] for c in checks if not c["passed"]]
     result["passed"] = not result["failures"]
     _name_outliers(result)
-    timings["total"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - started
     result["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     if folder is not None:
         result["report"] = {"json": str(folder / report.JSON_NAME), "png": str(folder / report.PNG_NAME)}
