@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .calib_data import CalibOptions
+from .distributed import barrier
 from .engine import CalibrationEngine, EngineOptions
 from .model.checkpoint import replace_folder, staging_folder
 from .outputs import work_dir_for
@@ -34,9 +35,11 @@ def run_calibrate(
 ) -> Path:
     if hessian_dtype not in ("fp32", "fp64"):
         raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
-    _, config = start_run(model, output, sources, device=device, overwrite=overwrite, resume=resume)
+    config, ranks = start_run(model, output, sources, device=device, overwrite=overwrite, resume=resume)
+    if not ranks.main:  # one voice: rank 0 prints and writes the statistics
+        console = Console(quiet=True)
     work = work_dir_for(output)
-    with guarded_run(work, resume=resume, overwrite=overwrite):
+    with guarded_run(work, resume=resume, overwrite=overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, options, console)
         stats = statistics_bytes(config, hessian)
         check_run_space(output, config, stats, data.total_tokens, stats)
@@ -48,8 +51,11 @@ def run_calibrate(
             hessian_dtype=hessian_dtype,
             save_hessians=hessian,
         )
-        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts)
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, opts, ranks=ranks)
         result = engine.run(resume=resume)
+        if not ranks.main:
+            barrier(ranks)  # until rank 0 has written the statistics
+            return output
 
         table = Table(title="Input statistics (absmax: largest channel / median channel)")
         for col in ("layer", "kind", "group", "tokens", "max |x|", "outlier ratio"):
@@ -80,6 +86,8 @@ def run_calibrate(
             "engine": opts.fingerprint_fields(),
             "timings_s": result.timings,
             "tokens": result.tokens,
+            "processes": ranks.world,
+            "rank_tokens": result.rank_tokens,
             "layers": layers,
         }
         tmp = staging_folder(output)
@@ -92,5 +100,6 @@ def run_calibrate(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(work)
+        barrier(ranks)
     console.print(f"statistics of {result.num_layers} layers written to [bold]{output}[/]")
     return output

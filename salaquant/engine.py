@@ -8,6 +8,12 @@ through the float layer). Hidden states stay in CPU memory between layers. Each 
 recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
 resumes after the last finished layer and produces the same bytes as an uninterrupted one.
 
+With several processes (``torchrun``, ``salaquant.distributed``) each holds the samples of its leaves of the
+statistics tree (``salaquant.shards``), the processes' statistics are added in that fixed tree before each layer
+is quantized, and every process quantizes the layer from the same sums: the exported bytes do not depend on the
+number of processes. Rank 0 writes the layer files and the resume state; the hidden states are saved per leaf
+(``hidden/leafN.safetensors``, by the process owning it), so a run resumes with any number of processes.
+
 The hidden states live in pinned CPU memory, one set of buffers: the propagation pass writes each sample's
 outputs over its inputs, chunk by chunk, with the copies queued behind the compute and one wait per pass, not
 per sample. (Float propagation, where the statistics pass also produces the outputs, uses a second set, and the
@@ -35,6 +41,7 @@ from torch import nn
 from . import __version__, host_memory
 from .background import BackgroundWriter
 from .calib_data import samples_fingerprint
+from .distributed import SINGLE, Ranks, barrier, broadcast_object, combine, device_for, same_everywhere, shard_tokens
 from .host_memory import empty_pinned_cache
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
@@ -44,6 +51,7 @@ from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
+from .shards import LEAVES, TreeSum, split_leaves
 from .stats import GroupStats, LayerStats
 
 log = logging.getLogger("salaquant.engine")
@@ -79,6 +87,15 @@ class EngineOptions:
         return d
 
 
+class Observer(Protocol):
+    """A sum over the inputs of one module (``LayerResult.observe``)."""
+
+    def update(self, x: torch.Tensor) -> None: ...
+    def fresh(self) -> Observer: ...  # an empty one of the same kind
+    def merge(self, other: Any) -> Observer: ...  # adds ``other`` into this one, returns it
+    def tensors(self) -> list[torch.Tensor]: ...  # every sum, in a fixed order
+
+
 @dataclass
 class LayerResult:
     """What a quantizer returns for one layer."""
@@ -86,11 +103,13 @@ class LayerResult:
     layer: nn.Module | None  # module to propagate through (None: the float layer)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # persisted in the work folder
     report: dict[str, Any] = field(default_factory=dict)  # json-able
-    # Inputs the quantizer still wants to see: module name in the layer -> a callback given that module's input on
+    # Inputs the quantizer still wants to see: module name in the layer -> an observer of that module's input on
     # every chunk of the pass through ``layer`` (the propagation pass; with float propagation, one extra pass whose
-    # outputs are dropped). ``finish`` runs after that pass and may complete ``tensors`` and ``report``.
-    observe: dict[str, Callable[[torch.Tensor], None]] = field(default_factory=dict)
-    finish: Callable[[], None] | None = None
+    # outputs are dropped). Each leaf of samples is seen by its own ``fresh()`` copy; the leaves' observers are
+    # added in the statistics tree (and across processes), and ``finish`` gets the totals after that pass: it may
+    # complete ``tensors`` and ``report``.
+    observe: dict[str, Observer] = field(default_factory=dict)
+    finish: Callable[[dict[str, Observer]], None] | None = None
 
 
 class LayerQuantizer(Protocol):
@@ -105,6 +124,7 @@ class EngineResult:
     timings: dict[str, float]
     tokens: int
     layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
+    rank_tokens: list[int] = field(default_factory=list)  # calibration tokens each process held
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         path = self.work_dir / "layers" / f"{index:03d}.safetensors"
@@ -163,23 +183,31 @@ def _atomic_json(obj: Any, path: Path) -> None:
 
 
 class _GroupCollector:
-    """Forward pre-hooks on the first member of each input group of one layer."""
+    """Forward pre-hooks on the first member of each input group of one layer, feeding the statistics of the
+    current leaf of samples (`next_leaf` starts a new one and returns the finished one)."""
 
     def __init__(self, layer: DecoderLayer, groups: list[InputGroup], device: torch.device, opts: EngineOptions):
-        self.stats: LayerStats = {}
+        self.dims: dict[str, int] = {}
         self.handles = []
-        dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
+        self.device = device
+        self.dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
+        self.hessian = opts.hessian
         for g in groups:
             module = layer.get_submodule(g.members[0])
             assert isinstance(module, nn.Linear)
-            st = GroupStats(module.in_features, device=device, dtype=dtype, hessian=opts.hessian)
-            self.stats[g.name] = st
-            self.handles.append(module.register_forward_pre_hook(self._hook(st)))
+            self.dims[g.name] = module.in_features
+            self.handles.append(module.register_forward_pre_hook(self._hook(g.name)))
+        self.stats = self.empty()
 
-    @staticmethod
-    def _hook(st: GroupStats):
+    def empty(self) -> LayerStats:
+        return {
+            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian)
+            for name, d in self.dims.items()
+        }
+
+    def _hook(self, name: str):
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            st.update(args[0])
+            self.stats[name].update(args[0])
 
         return hook
 
@@ -187,9 +215,35 @@ class _GroupCollector:
         for st in self.stats.values():
             st.end_sample()
 
+    def next_leaf(self) -> LayerStats:
+        done, self.stats = self.stats, self.empty()
+        for st in done.values():
+            st.close()
+        return done
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _merge_stats(left: LayerStats, right: LayerStats) -> LayerStats:
+    for name in sorted(left):
+        left[name].merge(right[name])
+    return left
+
+
+def _stats_tensors(stats: LayerStats) -> list[torch.Tensor]:
+    return [t for name in sorted(stats) for t in stats[name].tensors()]
+
+
+def _merge_observers(left: dict[str, Observer], right: dict[str, Observer]) -> dict[str, Observer]:
+    for name in sorted(left):
+        left[name].merge(right[name])
+    return left
+
+
+def _observer_tensors(observers: dict[str, Observer]) -> list[torch.Tensor]:
+    return [t for name in sorted(observers) for t in observers[name].tensors()]
 
 
 class CalibrationEngine:
@@ -200,8 +254,10 @@ class CalibrationEngine:
         work_dir: str | Path,
         options: EngineOptions | None = None,
         settings: dict[str, Any] | None = None,
+        ranks: Ranks = SINGLE,
     ) -> None:
-        """``samples``: 1-D token-id tensors. ``settings``: the quantizer's own settings (fingerprinted)."""
+        """``samples``: 1-D token-id tensors (all of them, in every process). ``settings``: the quantizer's own
+        settings (fingerprinted). ``ranks``: this process's place in a data-parallel run."""
         self.reader = CheckpointReader(model_path)
         self.config = SalaConfig.from_dict(self.reader.config())
         self.samples = [s.reshape(-1).to(torch.int64) for s in samples]
@@ -215,7 +271,13 @@ class CalibrationEngine:
             raise ValueError("chunk_tokens must be >= 1")
         if self.opts.resume_every < 1:
             raise ValueError("resume_every must be >= 1")
-        self.device = resolve_device(self.opts.device)
+        self.ranks = ranks
+        self.device = device_for(ranks, resolve_device(self.opts.device))
+        lengths = [s.numel() for s in self.samples]
+        self.leaves = split_leaves(lengths)
+        self.rank_tokens = shard_tokens(lengths, self.leaves, ranks.world)
+        self.own_leaves = [self.leaves[v] for v in ranks.leaves()]
+        self.own = [i for leaf in self.own_leaves for i in leaf]  # global sample indices, in leaf order
         self.settings = settings or {}
         self.fingerprint = hashlib.sha256(
             json.dumps(
@@ -223,6 +285,7 @@ class CalibrationEngine:
                     "model": model_fingerprint(self.reader),
                     "data": samples_fingerprint(self.samples),
                     "engine": self.opts.fingerprint_fields(),
+                    "leaves": LEAVES,
                     "settings": self.settings,
                     "salaquant": __version__,
                 },
@@ -231,9 +294,10 @@ class CalibrationEngine:
             ).encode()
         ).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
+        same_everywhere(self.fingerprint, ranks, "the model, calibration data or settings")
         self._digests: dict[str, str] = {}  # tensor -> digest of what this run (and the runs it resumes) read
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
-        self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs, after run()
+        self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs of ``own``, after run()
 
     def release(self) -> None:
         """Free the hidden-state buffers (``final_hidden`` and any spare set) and hand the pinned memory back.
@@ -263,7 +327,7 @@ class CalibrationEngine:
         what is available now."""
         float_sets = self.opts.propagate == "float" or quantizer is None
         plan = host_memory.plan_host_memory(
-            [s.numel() for s in self.samples],
+            [self.samples[i].numel() for i in self.own],
             self.config.hidden_size,
             self.dtype.itemsize,
             sets=2 if float_sets else 1,
@@ -282,6 +346,20 @@ class CalibrationEngine:
     # ------------------------------------------------------------------ state
     def _state_path(self) -> Path:
         return self.work_dir / "state.json"
+
+    def _resume_point(self, resume: bool) -> int:
+        """`_read_state` on rank 0 (the content check reads the whole checkpoint once), its answer or its refusal
+        on every process."""
+        answer: tuple[int, str | None] = (0, None)
+        if self.ranks.main:
+            try:
+                answer = (self._read_state(resume), None)
+            except ResumeError as exc:
+                answer = (0, str(exc))
+        finished, refusal = broadcast_object(answer, self.ranks)
+        if refusal is not None:
+            raise ResumeError(refusal)
+        return finished
 
     def _read_state(self, resume: bool) -> int:
         """Number of finished layers in the work folder (0 for a fresh run). A resumed run first checks that the
@@ -379,21 +457,33 @@ class CalibrationEngine:
 
     def _embed(self) -> list[torch.Tensor]:
         weight = self._load_global("model.embed_tokens.weight")
-        shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in self.samples]
+        own = [self.samples[i] for i in self.own]
+        shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in own]
         hs = self._alloc_set(shapes, weight.dtype)
-        for ids, buf in zip(self.samples, hs, strict=True):
+        for ids, buf in zip(own, hs, strict=True):
             buf.copy_((nn.functional.embedding(ids.to(self.device), weight) * self.config.scale_emb)[None])
         del weight
         self._sync()
         return hs
 
+    def _hidden_path(self, leaf: int) -> Path:
+        return self.work_dir / "hidden" / f"leaf{leaf}.safetensors"
+
     def _save_hidden(self, hs: list[torch.Tensor]) -> None:
-        _atomic_save({f"s{i:06d}": h for i, h in enumerate(hs)}, self.work_dir / "hidden.safetensors")
+        """This process's hidden states, one file per leaf it owns (keys: global sample indices)."""
+        (self.work_dir / "hidden").mkdir(exist_ok=True)
+        pos = 0
+        for v, leaf in zip(self.ranks.leaves(), self.own_leaves, strict=True):
+            tensors = {f"s{i:06d}": hs[pos + k] for k, i in enumerate(leaf)}
+            pos += len(leaf)
+            _atomic_save(tensors or {"_empty": torch.zeros(0)}, self._hidden_path(v))
 
     def _load_hidden(self) -> list[torch.Tensor]:
-        loaded = load_file(self.work_dir / "hidden.safetensors")
-        ts = [loaded[f"s{i:06d}"] for i in range(len(self.samples))]
-        hs = self._alloc_set([t.shape for t in ts], ts[0].dtype)
+        ts: list[torch.Tensor] = []
+        for v, leaf in zip(self.ranks.leaves(), self.own_leaves, strict=True):
+            loaded = load_file(self._hidden_path(v))
+            ts += [loaded[f"s{i:06d}"] for i in leaf]
+        hs = self._alloc_set([t.shape for t in ts], ts[0].dtype if ts else self.dtype)
         for buf, t in zip(hs, ts, strict=True):
             buf.copy_(t)
         return hs
@@ -404,12 +494,13 @@ class CalibrationEngine:
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / "layers").mkdir(exist_ok=True)
-        handler = logging.FileHandler(self.work_dir / "log.txt")
+        name = "log.txt" if self.ranks.main else f"log-rank{self.ranks.rank}.txt"
+        handler = logging.FileHandler(self.work_dir / name)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         try:
-            return self._run(quantizer, resume, EngineProgress(self.opts.show_progress))
+            return self._run(quantizer, resume, EngineProgress(self.opts.show_progress and self.ranks.main))
         finally:
             log.removeHandler(handler)
             handler.close()
@@ -418,27 +509,36 @@ class CalibrationEngine:
         cfg = self.config
         n_layers = cfg.num_hidden_layers
         total_tokens = sum(s.numel() for s in self.samples)
-        finished = self._read_state(resume)
+        own_tokens = self.rank_tokens[self.ranks.rank]
+        finished = self._resume_point(resume)
         timings = {"embed": 0.0, "load": 0.0, "stats_forward": 0.0, "quantize": 0.0, "propagate": 0.0, "save": 0.0}
+        if self.ranks.parallel:
+            timings["communicate"] = 0.0
         prev_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = self.opts.tf32
         log.info(
-            "calibration: %d samples, %d tokens, %d layers, device %s, start at layer %d",
+            "calibration: %d samples, %d tokens, %d layers, device %s, start at layer %d; process %d of %d holds %d "
+            "samples, %d tokens",
             len(self.samples),
             total_tokens,
             n_layers,
             self.device,
             finished,
+            self.ranks.rank,
+            self.ranks.world,
+            len(self.own),
+            own_tokens,
         )
         self._check_host_memory(quantizer)
         t0 = time.perf_counter()
         if finished == 0:
             hs = self._embed()
-            self._write_state(0)
+            if self.ranks.main:
+                self._write_state(0)
         else:
             hs = self._load_hidden()
         timings["embed"] += time.perf_counter() - t0
-        progress.start(n_layers, len(self.samples), total_tokens, finished)
+        progress.start(n_layers, len(self.own), own_tokens, finished)
         layer_seconds: list[tuple[int, str, float]] = []
         # Layer i's files (statistics or quantized tensors, report, hidden states, then the resume state) are
         # written while layer i + 1 computes; the state names layer i finished only once all of them are on disk.
@@ -461,6 +561,13 @@ class CalibrationEngine:
                     self._spare = inputs  # nothing reads them any more: the writer is done with them
                 del inputs
                 writer.submit(self._persist_layer, i, files, hs)
+                if self.ranks.parallel and self._resume_point_after(i):
+                    writer.drain()  # every process's hidden states on disk before rank 0 records the layer
+                    t1 = time.perf_counter()
+                    barrier(self.ranks)
+                    timings["communicate"] += time.perf_counter() - t1
+                    if self.ranks.main:
+                        self._write_state(i + 1)
                 timings["save"] += time.perf_counter() - t0
                 progress.layer_done(i)
             t0 = time.perf_counter()
@@ -475,7 +582,9 @@ class CalibrationEngine:
             path = self.work_dir / "layers" / f"{i:03d}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else {})
         self.final_hidden = hs
-        return EngineResult(self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds)
+        return EngineResult(
+            self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds, list(self.rank_tokens)
+        )
 
     def _layer(
         self,
@@ -507,28 +616,38 @@ class CalibrationEngine:
         keep_float = self.opts.propagate == "float" or quantizer is None
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
-        for j, h in enumerate(hs):
-            self._run_sample(layer, h, float_out[j] if float_out is not None else None)
+        tree: TreeSum[LayerStats] = TreeSum(_merge_stats)
+        j = 0
+        for leaf in self.own_leaves:  # each leaf's sums apart, added in the fixed tree (salaquant.shards)
+            for _ in leaf:
+                self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
+                if collector is not None:
+                    collector.end_sample()
+                progress.sample_done(j, hs[j].shape[1])
+                j += 1
             if collector is not None:
-                collector.end_sample()
-            progress.sample_done(j, h.shape[1])
+                tree.push(collector.next_leaf())
         self._sync()
+        stats: LayerStats = {}
         if collector is not None:
             collector.remove()
+            t1 = time.perf_counter()
+            stats = combine(tree.root(), self.ranks, _stats_tensors, collector.empty, _merge_stats)
+            if self.ranks.parallel:
+                timings["communicate"] += time.perf_counter() - t1
         timings["stats_forward"] += time.perf_counter() - t0
 
         result = LayerResult(layer=None)
         if quantizer is not None:
             t0 = time.perf_counter()
             progress.phase(i, layer.kind, "quantize")
-            assert collector is not None
-            result = quantizer.quantize_layer(i, layer, collector.stats)
+            result = quantizer.quantize_layer(i, layer, stats)
             timings["quantize"] += time.perf_counter() - t0
         files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         if quantizer is None and collector is not None:
             tensors = {
                 f"{g}.{k}": v
-                for g, st in collector.stats.items()
+                for g, st in stats.items()
                 for k, v in st.to_tensors().items()
                 if self.opts.save_hessians or not k.startswith("xtx")
             }
@@ -537,40 +656,63 @@ class CalibrationEngine:
         qlayer = result.layer if result.layer is not None else layer
         if self.opts.attention_kernels and qlayer is not layer:
             use_layer_kernels(qlayer)
+        current: dict[str, Observer] = {}  # the observers of the leaf being propagated
         hooks = [
-            qlayer.get_submodule(name).register_forward_pre_hook(lambda _m, args, fn=fn: fn(args[0]))
-            for name, fn in result.observe.items()
+            qlayer.get_submodule(name).register_forward_pre_hook(lambda _m, args, n=name: current[n].update(args[0]))
+            for name in result.observe
         ]
+        observed: TreeSum[dict[str, Observer]] = TreeSum(_merge_observers)
+
+        def propagate(through: DecoderLayer, observe: dict[str, Observer], out: list[torch.Tensor] | None) -> None:
+            j = 0
+            for leaf in self.own_leaves:
+                current.clear()
+                current.update({name: obs.fresh() for name, obs in observe.items()})
+                for _ in leaf:
+                    self._run_sample(through, hs[j], out[j] if out is not None else None)
+                    progress.sample_done(j, hs[j].shape[1])
+                    j += 1
+                if hooks:
+                    observed.push(dict(current))
+            self._sync()
+
         try:
             if float_out is not None:
                 out = float_out
                 if hooks:  # the observers' own pass through the quantized layer
                     t0 = time.perf_counter()
                     progress.phase(i, layer.kind, "observe")
-                    for j, h in enumerate(hs):
-                        self._run_sample(qlayer, h, None)
-                        progress.sample_done(j, h.shape[1])
-                    self._sync()
+                    propagate(qlayer, result.observe, None)
                     timings["propagate"] += time.perf_counter() - t0
             else:
                 t0 = time.perf_counter()
                 progress.phase(i, layer.kind, "propagate")
                 wait_for_writer()
                 out = hs  # in place
-                for j, h in enumerate(hs):
-                    self._run_sample(qlayer, h, out[j])
-                    progress.sample_done(j, h.shape[1])
-                self._sync()
+                propagate(qlayer, result.observe, out)
                 timings["propagate"] += time.perf_counter() - t0
         finally:
             for handle in hooks:
                 handle.remove()
         if quantizer is not None:
             if result.finish is not None:
-                result.finish()
+                totals: dict[str, Observer] = {}
+                if hooks:
+                    t1 = time.perf_counter()
+                    prototypes = result.observe
+                    totals = combine(
+                        observed.root(),
+                        self.ranks,
+                        _observer_tensors,
+                        lambda: {name: obs.fresh() for name, obs in prototypes.items()},
+                        _merge_observers,
+                    )
+                    if self.ranks.parallel:
+                        timings["communicate"] += time.perf_counter() - t1
+                result.finish(totals)
             tensors = {k: v.detach().cpu() for k, v in (result.tensors or {"_empty": torch.zeros(0)}).items()}
             files = (tensors, result.report)
-        del layer, result, qlayer
+        del layer, result, qlayer, stats
         log.info("layer %d (%s) done", i, cfg.mixer_types[i])
         return out, files
 
@@ -581,11 +723,16 @@ class CalibrationEngine:
         states after it, then the state that marks layers up to ``i`` finished. Layers after the last resume point
         are computed again by a resumed run (same bytes: the computation is deterministic). The digests of the
         tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
-        for prefix in (*global_parameter_shapes(self.config), f"model.layers.{i}."):
-            self._record_digests(prefix)
-        if files is not None:
-            _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
-            _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
-        if (i + 1) % self.opts.resume_every == 0 or i + 1 == self.config.num_hidden_layers:
+        if self.ranks.main:
+            for prefix in (*global_parameter_shapes(self.config), f"model.layers.{i}."):
+                self._record_digests(prefix)
+            if files is not None:
+                _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
+                _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
+        if self._resume_point_after(i):
             self._save_hidden(hs)
-            self._write_state(i + 1)
+            if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
+                self._write_state(i + 1)
+
+    def _resume_point_after(self, i: int) -> bool:
+        return (i + 1) % self.opts.resume_every == 0 or i + 1 == self.config.num_hidden_layers

@@ -3,7 +3,9 @@
 For the input X [n, d] of a group (every token of every sample), the accumulator keeps ``sum X^T X`` (fp32
 by default, on TF32 tensor cores when the inputs are 16-bit floats; fp64 optional), ``sum_s X_s^T X_s / n_s``
 (the per-sample-normalised variant), the per-channel absolute maximum, ``sum x^2`` per channel and the token
-and sample counts.
+and sample counts. `merge` adds another accumulator's sums (another leaf of samples, another process's share:
+``salaquant.shards`` fixes the order) and `tensors` lists every sum as one tensor on the accumulator's device,
+for the processes of a data-parallel run to exchange.
 """
 
 from __future__ import annotations
@@ -33,18 +35,25 @@ class GroupStats:
     xtx_per_sample: torch.Tensor | None = None
     absmax: torch.Tensor = field(init=False)
     sumsq: torch.Tensor = field(init=False)
-    tokens: int = 0
-    samples: int = 0
-    _sample_xtx: torch.Tensor | None = None
+    counts: torch.Tensor = field(init=False)  # [tokens, samples], int64 on ``device``
+    _sample_xtx: torch.Tensor | None = None  # the open sample's X^T X, allocated by its first chunk
     _sample_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.absmax = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
         self.sumsq = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         if self.hessian:
             self.xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
             self.xtx_per_sample = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
-            self._sample_xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts[0])
+
+    @property
+    def samples(self) -> int:
+        return int(self.counts[1])
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
@@ -55,6 +64,8 @@ class GroupStats:
         self.absmax = torch.maximum(self.absmax, x2.abs().amax(0).float())
         xf = x2.to(self.dtype)
         self.sumsq += xf.pow(2).sum(0).to(torch.float64)
+        if self.hessian and self._sample_xtx is None:
+            self._sample_xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
         if self._sample_xtx is not None:
             if not _tf32_exact(x2, self.dtype):
                 self._sample_xtx.addmm_(xf.T, xf)
@@ -91,9 +102,31 @@ class GroupStats:
             self.xtx += self._sample_xtx
             self.xtx_per_sample.add_(self._sample_xtx, alpha=1.0 / self._sample_tokens)
             self._sample_xtx.zero_()
-        self.tokens += self._sample_tokens
-        self.samples += 1
+        self.counts[0] += self._sample_tokens
+        self.counts[1] += 1
         self._sample_tokens = 0
+
+    def close(self) -> None:
+        """Free the open-sample buffer: nothing more is added but by `merge`."""
+        self._sample_xtx = None
+
+    def merge(self, other: GroupStats) -> GroupStats:
+        """Add ``other``'s sums (and take the larger absolute maxima) into this one; returns it."""
+        self.absmax = torch.maximum(self.absmax, other.absmax.to(self.absmax.device))
+        self.sumsq += other.sumsq.to(self.sumsq.device)
+        self.counts += other.counts.to(self.counts.device)
+        if self.xtx is not None and self.xtx_per_sample is not None:
+            assert other.xtx is not None and other.xtx_per_sample is not None, "merging stats without Hessians"
+            self.xtx += other.xtx.to(self.xtx.device)
+            self.xtx_per_sample += other.xtx_per_sample.to(self.xtx_per_sample.device)
+        return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every sum, in a fixed order (received in place by another process: `merge` reads the same fields)."""
+        out = [self.absmax, self.sumsq, self.counts]
+        if self.xtx is not None and self.xtx_per_sample is not None:
+            out += [self.xtx, self.xtx_per_sample]
+        return out
 
     # ------------------------------------------------------------------ derived statistics
     def hessian_mean(self) -> torch.Tensor:
@@ -114,7 +147,7 @@ class GroupStats:
         out = {
             "absmax": self.absmax.cpu(),
             "sumsq": self.sumsq.cpu(),
-            "counts": torch.tensor([self.tokens, self.samples], dtype=torch.int64),
+            "counts": self.counts.cpu(),
         }
         if self.xtx is not None and self.xtx_per_sample is not None:
             out["xtx"] = self.xtx.cpu()
@@ -129,7 +162,7 @@ class GroupStats:
         s.hessian = has_h
         s.absmax = t["absmax"].to(device)
         s.sumsq = t["sumsq"].to(device)
-        s.tokens, s.samples = (int(v) for v in t["counts"].tolist())
+        s.counts = t["counts"].to(device=device, dtype=torch.int64)
         if has_h:
             s.xtx = t["xtx"].to(device)
             s.xtx_per_sample = t["xtx_per_sample"].to(device)

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from .distributed import SINGLE, Ranks, barrier
 from .outputs import OutputError
 
 
@@ -74,13 +75,20 @@ def _kept(work: Path) -> str:
 
 
 @contextlib.contextmanager
-def guarded_run(work: Path, *, resume: bool, overwrite: bool) -> Iterator[None]:
-    """Hold the lock of ``work`` around a run; see the module doc for what happens when it stops early."""
+def guarded_run(work: Path, *, resume: bool, overwrite: bool, ranks: Ranks = SINGLE) -> Iterator[None]:
+    """Hold the lock of ``work`` around a run; see the module doc for what happens when it stops early. In a
+    data-parallel run rank 0 holds the lock and clears or keeps the folder; the other processes wait until it has
+    started over, then run inside its lock."""
+    if not ranks.main:
+        barrier(ranks)  # rank 0 holds the lock and has cleared the folder
+        yield
+        return
     with _lock(work):
         if overwrite and not resume and (work / "state.json").exists():
             for entry in work.iterdir():
                 if entry.name != "lock":
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        barrier(ranks)
         try:
             yield
         except KeyboardInterrupt:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from .calib_data import CalibOptions, CalibSet, load_calibration
-from .model.checkpoint import CheckpointReader
+from .distributed import Ranks, barrier, from_environment
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
 from .model.loading import validate_source
@@ -20,17 +20,21 @@ if TYPE_CHECKING:
 
 def start_run(
     model: Path, output: Path, sources: list[str], *, device: str, overwrite: bool, resume: bool
-) -> tuple[CheckpointReader, SalaConfig]:
+) -> tuple[SalaConfig, Ranks]:
     """What every command that calibrates checks before any data or model work (about a second): the output
     paths (`check_output`, the source and every calibration file counting as inputs), the device, and the source
-    checkpoint from its headers (`validate_source`)."""
+    checkpoint from its headers (`validate_source`); then, under ``torchrun``, the process group (every process
+    has made the same checks before any of them starts the run)."""
     from .engine import resolve_device
 
     inputs = [("input checkpoint", model)]
     inputs += [("calibration source", Path(s)) for s in sources if not s.startswith("hf:")]
     check_output(output, overwrite, resume, inputs)
     resolve_device(device)
-    return validate_source(model)
+    _, config = validate_source(model)
+    ranks = from_environment(device)
+    barrier(ranks)
+    return config, ranks
 
 
 def check_run_space(output: Path, config: SalaConfig, export_bytes: int, tokens: int, layer_bytes: int) -> None:
@@ -82,6 +86,8 @@ def run_report(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(engine.device),
+        "processes": engine.ranks.world,
+        "rank_tokens": result.rank_tokens,
         "calibration": data.summary(),
         "timings_s": {**result.timings, "calibrate_and_quantize": seconds},
         "layer_seconds": result.layer_seconds,

@@ -16,6 +16,22 @@ from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_model
 
 
+def _hidden_names(work: Path) -> list[str]:
+    """The saved hidden states of a work folder, one file per leaf of samples."""
+    names = sorted(f"hidden/{p.name}" for p in (work / "hidden").glob("*.safetensors"))
+    assert names, f"no hidden states in {work}"
+    return names
+
+
+def _hidden_sample(work: Path, index: int) -> torch.Tensor:
+    """Sample ``index``'s saved hidden state, from whichever leaf's file holds it."""
+    for name in _hidden_names(work):
+        tensors = load_file(work / name)
+        if f"s{index:06d}" in tensors:
+            return tensors[f"s{index:06d}"]
+    raise KeyError(index)
+
+
 def _samples(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 264, (n,), generator=g) for n in lengths]
@@ -149,7 +165,8 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
         assert (work / "layers" / f"{i:03d}.safetensors").read_bytes() == (
             tmp_path / "full" / "layers" / f"{i:03d}.safetensors"
         ).read_bytes()
-    assert (work / "hidden.safetensors").read_bytes() == (tmp_path / "full" / "hidden.safetensors").read_bytes()
+    for name in _hidden_names(tmp_path / "full"):
+        assert (work / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
     # Resume points every other layer: interrupted in layer 1, a resumed run starts over at layer 0 (nothing saved
     # yet); interrupted in layer 3, it starts at layer 2; the bytes are those of the uninterrupted run.
     for fail_at, redone in ((1, [0, 1, 2, 3]), (3, [2, 3])):
@@ -159,13 +176,12 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
         q2 = _RoundToNearest()
         CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2)).run(q2, resume=True)
         assert q2.seen == redone
-        for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + ["hidden.safetensors"]:
+        for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + _hidden_names(tmp_path / "full"):
             assert (work2 / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
     # quantized propagation differs from float propagation
     flt = CalibrationEngine(tiny_ckpt, samples, tmp_path / "flt", _opts(propagate="float"))
     flt.run(_RoundToNearest())
-    assert not torch.equal(load_file(tmp_path / "flt" / "hidden.safetensors")["s000000"],
-                           load_file(work / "hidden.safetensors")["s000000"])  # fmt: skip
+    assert not torch.equal(_hidden_sample(tmp_path / "flt", 0), _hidden_sample(work, 0))
 
 
 def test_quantized_propagation_equals_quantized_model(tiny_ckpt_fp32: Path, tmp_path: Path) -> None:
@@ -180,7 +196,8 @@ def test_quantized_propagation_equals_quantized_model(tiny_ckpt_fp32: Path, tmp_
         quantizer.quantize_layer(i, layer, {})
     assert engine.final_hidden is not None
     with torch.no_grad():
-        for sample, hidden in zip(samples, engine.final_hidden, strict=True):
+        for index, hidden in zip(engine.own, engine.final_hidden, strict=True):
+            sample = samples[index]
             want = model.model(sample[None], attention_mode="dense")
             got = model.model.norm(hidden)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -199,7 +216,7 @@ def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
     save = pipeline._atomic_save
 
     def slow_save(tensors: dict, path: Path) -> None:
-        if path.name == "hidden.safetensors":
+        if path.parent.name == "hidden":
             time.sleep(0.5)  # the next layer's statistics pass finishes meanwhile
         save(tensors, path)
 
@@ -211,7 +228,8 @@ def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
     want = CalibrationEngine(tiny_ckpt, samples, tmp_path / "two", _opts(background_writes=False, resume_every=2))
     with pytest.raises(KeyboardInterrupt):
         want.run(_RoundToNearest(fail_at=2))
-    assert (work / "hidden.safetensors").read_bytes() == (tmp_path / "two" / "hidden.safetensors").read_bytes()
+    names = _hidden_names(tmp_path / "two")
+    assert names and all((work / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in names)
 
 
 def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -258,7 +276,7 @@ def test_gpu_pinned_asynchronous_copies_equal_synchronous(tiny_ckpt: Path, tmp_p
     for name, pin in (("pinned", True), ("pageable", False)):
         opts = _opts(device="cuda", pin_memory=pin, chunk_tokens=64, resume_every=2)
         CalibrationEngine(tiny_ckpt, samples, tmp_path / name, opts).run(_RoundToNearest())
-    for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + ["hidden.safetensors"]:
+    for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + _hidden_names(tmp_path / "pinned"):
         assert (tmp_path / "pinned" / name).read_bytes() == (tmp_path / "pageable" / name).read_bytes(), name
 
 

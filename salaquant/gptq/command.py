@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..calib_data import CalibOptions
+from ..distributed import barrier
 from ..engine import CalibrationEngine, EngineOptions
 from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
@@ -74,7 +75,9 @@ def run_gptq(
     console: Console,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    _, config = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
+    config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
+    if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
+        console = Console(quiet=True)
     plan = build_plan(config, bits)  # bad bit plans fail before any data or model work
     if all(p.bits is None for p in plan.values()):
         raise PlanError("the bits options keep every linear in 16 bits: nothing to export as GPTQ")
@@ -93,7 +96,7 @@ def run_gptq(
         for name, reasons in excluded.items():
             console.print(f"  {name}: {reasons[0]}")
     work = work_dir_for(output)
-    with guarded_run(work, resume=run.resume, overwrite=run.overwrite):
+    with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
         size = summarize(config).w4a16_bytes
         check_run_space(output, config, size, data.total_tokens, size)
@@ -112,11 +115,14 @@ def run_gptq(
             hessian_dtype="fp64" if layer.fp64 else "fp32",
             show_progress=run.show_progress,
         )
-        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings)
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings, ranks)
         t0 = time.perf_counter()
         result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
         engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
         t_calib = time.perf_counter() - t0
+        if not ranks.main:
+            barrier(ranks)  # until rank 0 has written the export: every process ends with the run
+            return output
 
         table, summary = _summary_table(result.reports)
         console.print(table)
@@ -151,4 +157,5 @@ def run_gptq(
             f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
         )
         check.print_to(console)
+        barrier(ranks)
     return output

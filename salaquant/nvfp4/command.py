@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..calib_data import CalibOptions
+from ..distributed import barrier
 from ..engine import CalibrationEngine, EngineOptions
 from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
@@ -73,13 +74,15 @@ def run_nvfp4(
     console: Console,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    _, config = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
+    config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
+    if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
+        console = Console(quiet=True)
     plan = build_nvfp4_plan(config, run.dense_all, run.exclude)  # bad exclusions fail before any work
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     exclude_modules = plan.exclude_modules(config)
     work = work_dir_for(output)
-    with guarded_run(work, resume=run.resume, overwrite=run.overwrite):
+    with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
         sizes = summarize(config)
         size = sizes.nvfp4_dense_all_bytes if run.dense_all else sizes.nvfp4_default_bytes
@@ -98,11 +101,14 @@ def run_nvfp4(
             hessian=False,
             show_progress=run.show_progress,
         )
-        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings)
+        engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings, ranks)
         t0 = time.perf_counter()
         result = engine.run(NVFP4LayerQuantizer(config, plan, layer, data.total_tokens), resume=run.resume)
         engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
         t_calib = time.perf_counter() - t0
+        if not ranks.main:
+            barrier(ranks)  # until rank 0 has written the export: every process ends with the run
+            return output
         table, summary = _summary(result.reports)
         console.print(table)
         qconfig = flat_quantization_config(exclude_modules)
@@ -128,4 +134,5 @@ def run_nvfp4(
             f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
         )
         check.print_to(console)
+        barrier(ranks)
     return output

@@ -48,16 +48,39 @@ class InputScaleSearch:
         self.stride = stride
         self.err2 = torch.zeros(len(FACTORS), dtype=torch.float64, device=self.max_scale.device)
         self.sum_sq = torch.zeros((), dtype=torch.float64, device=self.max_scale.device)
-        self.tokens = 0  # tokens seen
-        self.measured = 0  # tokens whose error was computed
-        self._small_seen = 0  # small tokens passed so far: the stride runs across chunks
+        self.counts = torch.zeros(2, dtype=torch.int64, device=self.max_scale.device)  # tokens seen, measured
+        self._small_seen = 0  # small tokens passed so far: the stride runs across chunks (and samples)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.counts[0])
+
+    @property
+    def measured(self) -> int:
+        """Tokens whose error was computed."""
+        return int(self.counts[1])
+
+    def fresh(self) -> InputScaleSearch:
+        """An empty search over the same candidates (another leaf of samples: its stride starts again)."""
+        return InputScaleSearch(self.max_scale, self.stride)
+
+    def merge(self, other: InputScaleSearch) -> InputScaleSearch:
+        """Add ``other``'s sums (the same candidates) into this one; returns it."""
+        self.err2 += other.err2.to(self.err2.device)
+        self.sum_sq += other.sum_sq.to(self.sum_sq.device)
+        self.counts += other.counts.to(self.counts.device)
+        return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every sum, in a fixed order, for another process to receive in place."""
+        return [self.err2, self.sum_sq, self.counts]
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1]).float()
         if flat.shape[0] == 0:
             return
-        self.tokens += flat.shape[0]
+        self.counts[0] += flat.shape[0]
         if self.stride == 1:
             self._add(flat, 1.0)
             return
@@ -72,7 +95,7 @@ class InputScaleSearch:
     def _add(self, rows: torch.Tensor, weight: float) -> None:
         if rows.shape[0] == 0:
             return
-        self.measured += rows.shape[0]
+        self.counts[1] += rows.shape[0]
         self.sum_sq += rows.double().pow(2).sum() * weight
         for k, f in enumerate(FACTORS):
             diff = quantize_activations(rows, self.max_scale * f) - rows

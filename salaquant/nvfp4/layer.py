@@ -152,11 +152,12 @@ class NVFP4LayerQuantizer:
                 tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
         result = LayerResult(layer=layer, tensors=tensors, report=report)
         if searches:
-            result.observe = {members[0]: search.update for search, members in searches.values()}
+            result.observe = {members[0]: search for search, members in searches.values()}
 
-            def finish() -> None:
+            def finish(totals: dict[str, Any]) -> None:
                 report["input_scale"] = {}
-                for group, (search, members) in searches.items():
+                for group, (_, members) in searches.items():
+                    search = totals[members[0]]
                     chosen = search.scale().float().cpu()
                     for m in members:
                         tensors[f"{m}.input_scale"] = chosen.clone()

@@ -1,0 +1,150 @@
+"""Data-parallel runs on ``torch.distributed``: several processes started by ``torchrun`` calibrate one model.
+
+``torchrun --nproc-per-node N -m salaquant gptq ...`` starts N processes with ``WORLD_SIZE`` / ``RANK`` /
+``LOCAL_RANK`` set; `from_environment` joins them into one process group (NCCL when the run's device is CUDA,
+each process on GPU ``LOCAL_RANK``; gloo on CPUs). Each process holds its own samples' hidden states (the leaves of
+`salaquant.shards` it owns), accumulates their statistics, and `combine` adds the processes' partial sums in the
+fixed tree on rank 0, which sends the total to every process; each then quantizes the layer from the same
+statistics (the same bits everywhere) and propagates its own samples. Rank 0 alone writes the work folder's
+layer files, the resume state and the export; each process writes its own leaves' hidden states. When a process
+dies, ``torchrun`` stops the others; a collective that waits longer than ``TIMEOUT`` (a process hung rather than
+dead) fails with that as its message.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .shards import LEAVES, TreeSum, owned_leaves
+
+T = TypeVar("T")
+
+TIMEOUT = timedelta(minutes=30)
+"""How long a collective waits for the other processes (the slowest layer's solve comes first)."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: ``rank`` of ``world`` (one process: 0 of 1)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
+
+    def leaves(self) -> range:
+        return owned_leaves(self.rank, self.world)
+
+
+SINGLE = Ranks()
+
+
+def from_environment(device: str) -> Ranks:
+    """The process group of a ``torchrun`` launch (``WORLD_SIZE`` > 1), joined once; `SINGLE` otherwise.
+
+    Refuses a process count the statistics tree does not serve and, on CUDA, fewer visible GPUs than processes
+    on this host, before any work. ``device``: the run's ``--device`` (``auto`` is CUDA where there is one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    owned_leaves(rank, world)  # the process count, checked
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        if torch.cuda.device_count() <= local:
+            raise ValueError(
+                f"torchrun process {local} on this host: only {torch.cuda.device_count()} CUDA device(s) visible; "
+                "start at most that many processes per node"
+            )
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": "nccl" if cuda else "gloo", "timeout": TIMEOUT}
+        if cuda:
+            kwargs["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(**kwargs)
+    return Ranks(rank, world, local)
+
+
+def device_for(ranks: Ranks, device: torch.device) -> torch.device:
+    """The run's device for this process: GPU ``LOCAL_RANK`` when the run is on CUDA with several processes."""
+    if ranks.parallel and device.type == "cuda":
+        return torch.device("cuda", ranks.local_rank)
+    return device
+
+
+def barrier(ranks: Ranks) -> None:
+    if ranks.parallel:
+        dist.barrier()
+
+
+def broadcast_object(obj: T, ranks: Ranks) -> T:
+    """Rank 0's ``obj`` on every process (a small picklable value: a resume point, an error message)."""
+    if not ranks.parallel:
+        return obj
+    box = [obj if ranks.main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def combine(
+    local: T,
+    ranks: Ranks,
+    tensors: Callable[[T], Sequence[torch.Tensor]],
+    empty: Callable[[], T],
+    merge: Callable[[T, T], T],
+) -> T:
+    """The sum over all processes of each one's ``local`` sum (the root of its subtree of leaves): rank 0 receives
+    them in rank order and adds them in the upper levels of the fixed tree, then sends the total to every process.
+    ``tensors(x)`` lists ``x``'s tensors in a fixed order (received into those of ``empty()``)."""
+    if not ranks.parallel:
+        return local
+    if ranks.main:
+        tree: TreeSum[T] = TreeSum(merge)
+        tree.push(local)
+        for src in range(1, ranks.world):
+            other = empty()
+            for t in tensors(other):
+                dist.recv(t, src=src)
+            tree.push(other)
+        total = tree.root()
+    else:
+        for t in tensors(local):
+            dist.send(t, dst=0)
+        total = local
+    for t in tensors(total):
+        dist.broadcast(t, src=0)
+    return total
+
+
+def shard_tokens(lengths: Sequence[int], leaves: Sequence[Sequence[int]], world: int) -> list[int]:
+    """Tokens each of ``world`` processes holds, given the leaves' sample indices."""
+    per = LEAVES // world
+    return [sum(lengths[i] for v in range(r * per, (r + 1) * per) for i in leaves[v]) for r in range(world)]
+
+
+def same_everywhere(value: Any, ranks: Ranks, what: str) -> None:
+    """Fail on every process when ``value`` (picklable) differs between them: the processes must have read the same
+    calibration data and settings."""
+    if not ranks.parallel:
+        return
+    mine = pickle.dumps(value)
+    got: list[Any] = [None] * ranks.world
+    dist.all_gather_object(got, mine)
+    if any(g != got[0] for g in got):
+        differ = [r for r, g in enumerate(got) if g != got[0]]
+        raise RuntimeError(f"{what} differs between processes (ranks {differ} against rank 0)")
