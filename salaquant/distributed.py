@@ -13,6 +13,7 @@ dead) fails with that as its message.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -87,6 +88,13 @@ def device_for(ranks: Ranks, device: torch.device) -> torch.device:
     return device
 
 
+def comm_device(ranks: Ranks) -> torch.device:
+    """Where tensors travel: this process's GPU under NCCL, the CPU under gloo (and for one process)."""
+    if ranks.parallel and dist.get_backend() == "nccl":
+        return torch.device("cuda", ranks.local_rank)
+    return torch.device("cpu")
+
+
 def barrier(ranks: Ranks) -> None:
     if ranks.parallel:
         dist.barrier()
@@ -148,3 +156,57 @@ def same_everywhere(value: Any, ranks: Ranks, what: str) -> None:
     if any(g != got[0] for g in got):
         differ = [r for r, g in enumerate(got) if g != got[0]]
         raise RuntimeError(f"{what} differs between processes (ranks {differ} against rank 0)")
+
+
+def assign(costs: Sequence[float], world: int) -> list[int]:
+    """The process each job runs on: the costliest first (ties by index), each to the least loaded process (ties
+    to the lowest rank). Every process computes the same assignment from the same costs."""
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += costs[k]
+    return owner
+
+
+def share(
+    tensors: dict[str, torch.Tensor] | None, extra: Any, src: int, ranks: Ranks, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Process ``src``'s ``tensors`` (and a small picklable ``extra``) on every process, on ``device`` (the
+    process group's: a CUDA device under NCCL, the CPU under gloo); the others pass ``None``."""
+    if not ranks.parallel:
+        assert tensors is not None
+        return tensors, extra
+    meta = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()] if ranks.rank == src and tensors else []
+    box: list[Any] = [meta, extra] if ranks.rank == src else [None, None]
+    dist.broadcast_object_list(box, src=src)
+    meta, extra = box
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, dtype in meta:
+        # as raw bytes: the backends do not carry every dtype (gloo has no float8)
+        if ranks.rank == src:
+            assert tensors is not None
+            raw = tensors[name].to(device).contiguous().reshape(-1).view(torch.uint8)
+        else:
+            raw = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
+        dist.broadcast(raw, src=src)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out, extra
+
+
+def spread(
+    jobs: Sequence[Callable[[], tuple[dict[str, torch.Tensor], Any]]], costs: Sequence[float], ranks: Ranks
+) -> list[tuple[dict[str, torch.Tensor], Any]]:
+    """Run each job on one process (`assign`), then give every process every job's ``(tensors, extra)``, in job
+    order; the tensors of other processes' jobs arrive on `comm_device`."""
+    owners = assign(costs, ranks.world)
+    done = {k: job() for k, job in enumerate(jobs) if owners[k] == ranks.rank}
+    out = []
+    for k in range(len(jobs)):
+        tensors, extra = done.get(k, (None, None))
+        if ranks.parallel:
+            tensors, extra = share(tensors, extra, owners[k], ranks, comm_device(ranks))
+        assert tensors is not None
+        out.append((tensors, extra))
+    return out

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from salaquant.distributed import assign
 from salaquant.nvfp4.input_scale import InputScaleSearch
 from salaquant.shards import TreeSum, owned_leaves, split_leaves
 from salaquant.stats import GroupStats
@@ -39,6 +40,13 @@ def test_leaves_halve_by_tokens() -> None:
     assert list(owned_leaves(1, 2)) == [4, 5, 6, 7] and list(owned_leaves(3, 8)) == [3]
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
         owned_leaves(0, 3)
+
+
+def test_solves_go_to_the_least_loaded_process() -> None:
+    """Costliest first, each to the process with the least cost so far (ties to the lower rank): by hand."""
+    assert assign([5, 3, 3, 2, 1], 2) == [0, 1, 1, 0, 1]
+    assert assign([1, 1, 1], 1) == [0, 0, 0]
+    assert assign([2, 2, 2, 2], 4) == [0, 1, 2, 3]
 
 
 def test_tree_sum_has_one_shape_for_any_split() -> None:

@@ -117,7 +117,7 @@ def run_gptq(
         )
         engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings, ranks)
         t0 = time.perf_counter()
-        result = engine.run(GPTQLayerQuantizer(config, plan, layer), resume=run.resume)
+        result = engine.run(GPTQLayerQuantizer(config, plan, layer, ranks), resume=run.resume)
         engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
         t_calib = time.perf_counter() - t0
         if not ranks.main:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, Ranks, spread
 from ..engine import LayerResult
 from ..formats.gptq_v1.dynamic import LinearPlan
 from ..formats.gptq_v1.packing import pack_gptq_v1
@@ -65,7 +67,9 @@ class GPTQLayerOptions:
 class GPTQLayerQuantizer:
     """``quantize_layer`` for the calibration engine (see ``salaquant.engine.LayerQuantizer``)."""
 
-    def __init__(self, config: SalaConfig, plan: dict[str, LinearPlan], options: GPTQLayerOptions) -> None:
+    def __init__(
+        self, config: SalaConfig, plan: dict[str, LinearPlan], options: GPTQLayerOptions, ranks: Ranks = SINGLE
+    ) -> None:
         if options.method not in ("gptq", "rtn"):
             raise ValueError(f"method {options.method!r}: expected 'gptq' or 'rtn'")
         if options.hessian_weighting not in ("samples", "tokens"):
@@ -73,6 +77,7 @@ class GPTQLayerQuantizer:
         self.config = config
         self.plan = plan
         self.opts = options
+        self.ranks = ranks
 
     @torch.no_grad()
     def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
@@ -95,6 +100,7 @@ class GPTQLayerQuantizer:
 
         tensors: dict[str, torch.Tensor] = {}
         report: dict[str, Any] = {"layer": index, "kind": layer.kind, "linears": {}, "smooth_scale_range": smoothed}
+        jobs: list[tuple[list[str], list[nn.Module], torch.Tensor, LinearPlan]] = []
         for g in groups:
             h = hessians[g.name]
             by_plan: dict[LinearPlan, list[str]] = {}
@@ -107,22 +113,31 @@ class GPTQLayerQuantizer:
                         tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
                         report["linears"][m] = {"bits": 16}
                     continue
-                self._solve(members, mods, h, p, tensors, report)
+                jobs.append((members, mods, h, p))
+        # Each solve runs on one process (the costliest first, to the least loaded), its results go to all.
+        costs = [sum(m.weight.shape[0] for m in mods) * h.shape[0] ** 2 + h.shape[0] ** 3 / 3 for _, mods, h, _ in jobs]
+        for got, entries in spread([partial(self._solve, *job) for job in jobs], costs, self.ranks):
+            report["linears"].update(entries)
+            for key, value in got.items():
+                kind, name = key.split(":", 1)
+                if kind == "export":
+                    tensors[name] = value.cpu()
+                else:  # the dequantized weight the layer propagates with
+                    mod = layer.get_submodule(name)
+                    mod.weight.data = value.to(mod.weight.device, mod.weight.dtype)
         for name, module in layer.named_modules():
             if name.endswith("norm") and hasattr(module, "weight"):
                 tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
         return LayerResult(layer=layer, tensors=tensors, report=report)
 
     def _solve(
-        self,
-        members: list[str],
-        mods: list[nn.Module],
-        h: torch.Tensor,
-        p: LinearPlan,
-        tensors: dict[str, torch.Tensor],
-        report: dict[str, Any],
-    ) -> None:
+        self, members: list[str], mods: list[nn.Module], h: torch.Tensor, p: LinearPlan
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One stacked solve: the members' export tensors (``export:NAME``) and dequantized weights
+        (``weight:MEMBER``, what the layer propagates with), and their report entries."""
         assert p.bits is not None
+        tensors: dict[str, torch.Tensor] = {}
+        report: dict[str, Any] = {}
         cfg = self.opts.solver_config(p.bits, p.group_size)
         w = torch.cat([m.weight.data.float() for m in mods])
         t0 = time.perf_counter()
@@ -148,9 +163,9 @@ class GPTQLayerQuantizer:
             scales = result.weight.scales[:, rows]
             packed = pack_gptq_v1(codes, scales, result.weight.g_idx, p.bits, result.weight.zero)
             for key, value in packed.items():
-                tensors[f"{name}.{key}"] = value.detach().cpu().clone()  # members share g_idx: copy
-            mod.weight.data = w_hat[rows].to(mod.weight.dtype)
-            report["linears"][name] = {
+                tensors[f"export:{name}.{key}"] = value.detach().clone()  # members share g_idx: copy
+            tensors[f"weight:{name}"] = w_hat[rows].to(mod.weight.dtype)
+            report[name] = {
                 "bits": p.bits,
                 "group_size": p.group_size,
                 "loss": float(row_loss[rows].sum()),
@@ -159,3 +174,4 @@ class GPTQLayerQuantizer:
                 "damp": result.damp,
                 "seconds": seconds * out / w.shape[0],
             }
+        return tensors, report

@@ -103,7 +103,7 @@ def run_nvfp4(
         )
         engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings, ranks)
         t0 = time.perf_counter()
-        result = engine.run(NVFP4LayerQuantizer(config, plan, layer, data.total_tokens), resume=run.resume)
+        result = engine.run(NVFP4LayerQuantizer(config, plan, layer, data.total_tokens, ranks), resume=run.resume)
         engine.release()  # the hidden states are no longer needed: keep them out of the export's peak
         t_calib = time.perf_counter() - t0
         if not ranks.main:

@@ -12,11 +12,14 @@ every calibration token's input to each quantized linear.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
+from ..distributed import SINGLE, Ranks, spread
 from ..engine import LayerResult
 from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantize_nvfp4
 from ..model.config import SalaConfig
@@ -51,9 +54,15 @@ def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tens
 
 class NVFP4LayerQuantizer:
     def __init__(
-        self, config: SalaConfig, plan: NVFP4Plan, options: NVFP4LayerOptions, calibration_tokens: int = 0
+        self,
+        config: SalaConfig,
+        plan: NVFP4Plan,
+        options: NVFP4LayerOptions,
+        calibration_tokens: int = 0,
+        ranks: Ranks = SINGLE,
     ) -> None:
-        """``calibration_tokens``: the tokens every layer sees (sets the ``mse`` input-scale search's stride)."""
+        """``calibration_tokens``: the tokens every layer sees (sets the ``mse`` input-scale search's stride);
+        ``ranks``: the processes the linears' quantization is spread over."""
         if options.mse_iters < 0 or not 0.0 <= options.mse_max_shrink < 1.0:
             raise ValueError("--mse-iters must be >= 0 and --mse-max-shrink in [0, 1)")
         if options.input_scale not in INPUT_SCALE_RULES:
@@ -62,6 +71,7 @@ class NVFP4LayerQuantizer:
         self.plan = plan
         self.opts = options
         self.stride = search_stride(calibration_tokens)
+        self.ranks = ranks
 
     @torch.no_grad()
     def smooth(
@@ -93,6 +103,40 @@ class NVFP4LayerQuantizer:
         return act
 
     @torch.no_grad()
+    def _quantize_linear(
+        self, name: str, w: torch.Tensor, ws2: torch.Tensor | None, msq: torch.Tensor, in_scale: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry."""
+        ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
+        t0 = time.perf_counter()
+        plain = quantize_nvfp4(w, weight_scale_2=ws2)
+        err_plain = _weighted_error(w, plain.dequantize(), msq)
+        q = plain
+        if self.opts.mse_iters > 0:
+            found = search_block_scales(w, ws2, msq, iters=self.opts.mse_iters, max_shrink=self.opts.mse_max_shrink)
+            q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=found.scales)
+        if w.is_cuda:
+            torch.cuda.synchronize(w.device)
+        seconds = time.perf_counter() - t0
+        w_hat = q.dequantize()
+        err = _weighted_error(w, w_hat, msq)
+        total = _weighted_error(w, torch.zeros_like(w), msq)
+        tensors = {
+            "dequantized": w_hat,
+            "weight": q.weight,
+            "weight_scale": q.weight_scale,
+            "weight_scale_2": q.weight_scale_2.reshape(()).float().clone(),
+            "input_scale": in_scale.reshape(()).float().clone(),
+        }
+        entry = {
+            "format": "nvfp4",
+            "rel_err": err / total if total > 0 else 0.0,
+            "rel_err_plain_scales": err_plain / total if total > 0 else 0.0,
+            "seconds": seconds,
+        }
+        return tensors, {name: entry}
+
+    @torch.no_grad()
     def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
         prefix = f"model.layers.{index}."
         report: dict[str, Any] = {"layer": index, "kind": layer.kind, "linears": {}, "smooth_scale_range": {}}
@@ -106,6 +150,8 @@ class NVFP4LayerQuantizer:
                 shared_ws2[fused] = global_scale(amax.clamp(min=_TINY))
 
         searches: dict[str, tuple[InputScaleSearch, list[str]]] = {}
+        jobs: list[Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]] = []
+        costs: list[float] = []
         for g in input_groups(self.config, layer.kind):
             absmax, msq = act[g.name]
             in_scale = input_scale(absmax.amax())
@@ -118,35 +164,16 @@ class NVFP4LayerQuantizer:
                     tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
                     report["linears"][m] = {"format": "bf16"}
                     continue
-                w = mod.weight.data.float()
                 ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
-                ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
-                t0 = time.perf_counter()
-                plain = quantize_nvfp4(w, weight_scale_2=ws2)
-                err_plain = _weighted_error(w, plain.dequantize(), msq)
-                q = plain
-                if self.opts.mse_iters > 0:
-                    found = search_block_scales(
-                        w, ws2, msq, iters=self.opts.mse_iters, max_shrink=self.opts.mse_max_shrink
-                    )
-                    q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=found.scales)
-                if w.is_cuda:
-                    torch.cuda.synchronize(w.device)
-                seconds = time.perf_counter() - t0
-                w_hat = q.dequantize()
-                err = _weighted_error(w, w_hat, msq)
-                total = _weighted_error(w, torch.zeros_like(w), msq)
-                mod.weight.data = w_hat.to(mod.weight.dtype)
-                tensors[f"{m}.weight"] = q.weight.cpu()
-                tensors[f"{m}.weight_scale"] = q.weight_scale.cpu()
-                tensors[f"{m}.weight_scale_2"] = q.weight_scale_2.reshape(()).float().cpu().clone()
-                tensors[f"{m}.input_scale"] = in_scale.reshape(()).float().cpu().clone()
-                report["linears"][m] = {
-                    "format": "nvfp4",
-                    "rel_err": err / total if total > 0 else 0.0,
-                    "rel_err_plain_scales": err_plain / total if total > 0 else 0.0,
-                    "seconds": seconds,
-                }
+                jobs.append(partial(self._quantize_linear, m, mod.weight.data.float(), ws2, msq, in_scale))
+                costs.append(mod.weight.numel() * (1 + self.opts.mse_iters))
+        # Each linear is quantized on one process (the costliest first, to the least loaded), its results go to all.
+        for got, entry in spread(jobs, costs, self.ranks):
+            name = next(iter(entry))
+            report["linears"].update(entry)
+            mod = layer.get_submodule(name)
+            mod.weight.data = got.pop("dequantized").to(mod.weight.device, mod.weight.dtype)
+            tensors.update({f"{name}.{k}": v.cpu() for k, v in got.items()})
         for name, module in layer.named_modules():
             if name.endswith("norm") and hasattr(module, "weight"):
                 tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
