@@ -11,6 +11,11 @@ of the calibration work with the fraction of it reached.
 
   python benchmarks/pipeline.py --out OUT                       # H200: full shape, 131072 + 4 x 8192 tokens
   python benchmarks/pipeline.py --out /tmp/p --preset tiny --long 600 --short 128 --short-count 2   # CPU smoke
+
+``--nproc 1 2 4`` runs each command instead under ``torchrun --nproc-per-node N`` (as a user does; one process
+through torchrun too) and reports per N the calibration tokens/s, the speed-up and scaling efficiency against
+N = 1, the communication time, each process's tokens and peak GPU memory / RSS, and whether every shard's sha256
+equals N = 1's.
 """
 
 from __future__ import annotations
@@ -176,6 +181,57 @@ def run_quantizer(
     }
 
 
+def run_launched(
+    method: str, nproc: int, model: Path, calib: Path, out: Path, max_len: int, input_scale: str | None = None
+) -> dict[str, Any]:
+    """The command under ``torchrun --nproc-per-node nproc`` (one process: through torchrun too): wall time,
+    calibration tokens/s, communication time, per-process tokens and peaks, and each shard's sha256."""
+    import hashlib
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "-m", "salaquant", method, "-i", str(model), "-o", str(out)]
+    cmd += ["--calib", str(calib), "--max-len", str(max_len), "--overwrite"]
+    if method == "nvfp4" and input_scale is not None:
+        cmd += ["--input-scale", input_scale]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    report = json.loads((out / "quant_report.json").read_text())
+    timings = report["timings_s"]
+    calib_s = float(timings["calibrate_and_quantize"])
+    tokens = int(report["calibration"]["tokens"])
+    shards = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.glob("*.safetensors"))}
+    return {
+        "processes": nproc,
+        "wall_s": round(wall, 2),
+        "phase_seconds": {k: round(float(v), 2) for k, v in timings.items()},
+        "calibration_tokens_per_s": round(tokens / calib_s, 1),
+        "communicate_s": round(float(timings.get("communicate", 0.0)), 2),
+        "rank_tokens": report["rank_tokens"],
+        "rank_peaks": report["rank_peaks"],
+        "sha256": shards,
+    }
+
+
+def scaling(method: str, nprocs: list[int], model: Path, calib: Path, scratch: Path, max_len: int, scale: str | None):
+    """``run_launched`` for every process count; efficiency = rate / (N x the one-process rate), and whether the
+    shards are those of one process."""
+    rows = {}
+    for n in nprocs:
+        rows[n] = run_launched(method, n, model, calib, scratch / f"export-{method}-n{n}", max_len, scale)
+        print(json.dumps({method: {n: rows[n]}}), flush=True)
+    if 1 in rows:
+        for n, r in rows.items():
+            r["speedup"] = round(r["calibration_tokens_per_s"] / rows[1]["calibration_tokens_per_s"], 3)
+            r["efficiency"] = round(r["speedup"] / n, 3)
+            r["same_bytes_as_one"] = r["sha256"] == rows[1]["sha256"]
+    return rows
+
+
 def gla_autotuned() -> dict[str, dict[str, str]]:
     """The GLA kernels' autotuner choices made in this process (empty on the CPU) and the pinned table."""
     try:
@@ -220,6 +276,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smaller runs)")
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     ap.add_argument("--nvfp4-input-scale", choices=["max", "mse"], help="nvfp4's input-scale rule (default: its own)")
+    ap.add_argument(
+        "--nproc", type=int, nargs="+", help="run each command under torchrun with these process counts (1 2 4)"
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
@@ -248,6 +307,13 @@ def main() -> None:
     floor = flops["total"] / (args.peak_tflops * 1e12)
     res["calibration_flops"] = {k: f"{v:.3e}" for k, v in flops.items()}
     res["calibration_flop_floor_s"] = round(floor, 2)
+    if args.nproc:
+        for method in args.methods:
+            res[method] = scaling(method, args.nproc, model, calib, args.scratch, max_len, args.nvfp4_input_scale)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"pipeline-{args.preset}-nproc.json").write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.out / f'pipeline-{args.preset}-nproc.json'}")
+        return
     for method in args.methods:
         out = args.scratch / f"export-{method}"
         profiler = cProfile.Profile() if args.profile else None

@@ -145,6 +145,15 @@ def shard_tokens(lengths: Sequence[int], leaves: Sequence[Sequence[int]], world:
     return [sum(lengths[i] for v in range(r * per, (r + 1) * per) for i in leaves[v]) for r in range(world)]
 
 
+def gather_object(value: T, ranks: Ranks) -> list[T]:
+    """Every process's ``value`` (small, picklable), in rank order, on every process."""
+    if not ranks.parallel:
+        return [value]
+    got: list[Any] = [None] * ranks.world
+    dist.all_gather_object(got, value)
+    return got
+
+
 def same_everywhere(value: Any, ranks: Ranks, what: str) -> None:
     """Fail on every process when ``value`` (picklable) differs between them: the processes must have read the same
     calibration data and settings."""

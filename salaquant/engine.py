@@ -41,7 +41,17 @@ from torch import nn
 from . import __version__, host_memory
 from .background import BackgroundWriter
 from .calib_data import samples_fingerprint
-from .distributed import SINGLE, Ranks, barrier, broadcast_object, combine, device_for, same_everywhere, shard_tokens
+from .distributed import (
+    SINGLE,
+    Ranks,
+    barrier,
+    broadcast_object,
+    combine,
+    device_for,
+    gather_object,
+    same_everywhere,
+    shard_tokens,
+)
 from .host_memory import empty_pinned_cache
 from .model.cache import LightningLayerCache, SparseLayerCache
 from .model.checkpoint import CheckpointReader
@@ -125,6 +135,7 @@ class EngineResult:
     tokens: int
     layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
     rank_tokens: list[int] = field(default_factory=list)  # calibration tokens each process held
+    rank_peaks: list[dict[str, float | None]] = field(default_factory=list)  # each process's peak GPU memory, RSS
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         path = self.work_dir / "layers" / f"{index:03d}.safetensors"
@@ -582,9 +593,19 @@ class CalibrationEngine:
             path = self.work_dir / "layers" / f"{i:03d}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else {})
         self.final_hidden = hs
+        peaks = gather_object(self._peaks(), self.ranks)
         return EngineResult(
-            self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds, list(self.rank_tokens)
+            self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds, list(self.rank_tokens), peaks
         )
+
+    def _peaks(self) -> dict[str, float | None]:
+        """This process's peak GPU memory (allocated by torch on the run's device) and peak RSS so far, GiB."""
+        gpu = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        rss = host_memory.process_memory("VmHWM")
+        return {
+            "gpu_gib": None if gpu is None else round(gpu, 2),
+            "rss_gib": None if rss is None else round(rss / 2**30, 2),
+        }
 
     def _layer(
         self,

@@ -88,6 +88,7 @@ def run_report(
         "device": str(engine.device),
         "processes": engine.ranks.world,
         "rank_tokens": result.rank_tokens,
+        "rank_peaks": result.rank_peaks,
         "calibration": data.summary(),
         "timings_s": {**result.timings, "calibrate_and_quantize": seconds},
         "layer_seconds": result.layer_seconds,
