@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 
 from .calib_data import CalibOptions
+from .distributed import from_environment
 from .model.checkpoint import replace_folder
 from .outputs import check_no_overlap, check_output
 from .recipe import RecipeError, rule_line
@@ -56,7 +57,7 @@ def run_recipe(
         export_to = Path(f"{output}.gate-pending")
         shutil.rmtree(export_to, ignore_errors=True)
     _quantize(recipe, model, export_to, console, resume, overwrite, show_progress, recipe_path)
-    if not gated:
+    if not gated or not from_environment(recipe.engine.device).main:  # under torchrun, rank 0 runs the gate
         return output
     result = eval_gate(model, export_to, recipe.eval, recipe.engine.device)
     (export_to / "eval_gate.json").write_text(json.dumps(result, indent=2))

@@ -187,3 +187,9 @@ def test_failed_process_ends_the_run_and_it_resumes_with_another_count(tmp_path:
     _ok(_salaquant([*args, "-o", str(out), "--resume"]))
     _ok(_salaquant([*args, "-o", str(tmp_path / "whole")]))
     assert _weights(out) == _weights(tmp_path / "whole")
+
+
+def test_unserved_process_count_is_refused_before_any_work(tmp_path: Path) -> None:
+    proc = _salaquant(["calibrate", "--device", "cpu", "-i", str(SHIPPED), *DATA, "-o", str(tmp_path / "o")], nproc=3)
+    assert proc.returncode != 0 and "1, 2, 4 or 8" in proc.stdout + proc.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
