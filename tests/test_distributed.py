@@ -193,3 +193,19 @@ def test_unserved_process_count_is_refused_before_any_work(tmp_path: Path) -> No
     proc = _salaquant(["calibrate", "--device", "cpu", "-i", str(SHIPPED), *DATA, "-o", str(tmp_path / "o")], nproc=3)
     assert proc.returncode != 0 and "1, 2, 4 or 8" in proc.stdout + proc.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command", [["gptq"], ["nvfp4", "--input-scale", "mse"]], ids=["gptq", "nvfp4-mse"])
+def test_gpu_processes_write_the_bytes_of_one(command: list[str], tmp_path: Path) -> None:
+    """On every GPU of the machine (NCCL) against one process on one GPU: the same shards."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs two GPUs")
+    nproc = 4 if n >= 4 else 2
+    args = [*command, "--device", "cuda", "-i", str(SHIPPED), *DATA]
+    _ok(_salaquant([*args, "-o", str(tmp_path / "one")]))
+    _ok(_salaquant([*args, "-o", str(tmp_path / "many")], nproc=nproc))
+    assert _weights(tmp_path / "many") == _weights(tmp_path / "one")
+    report = json.loads((tmp_path / "many" / "quant_report.json").read_text())
+    assert report["processes"] == nproc and all(p["gpu_gib"] is not None for p in report["rank_peaks"])
