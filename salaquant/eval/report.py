@@ -353,7 +353,7 @@ def write_png(result: dict[str, Any], folder: Path) -> Path:
     if len(names) % 2:
         axes[-1][1].set_axis_off()
     fig.suptitle(f"{result['quantized']['path']} ({result['quantized']['format']}) vs {result['reference']['path']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # half an inch for the title
     path = folder / PNG_NAME
     _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
