@@ -62,7 +62,7 @@ from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
 from .shards import LEAVES, TreeSum, split_leaves
-from .stats import GroupStats, LayerStats
+from .stats import HESSIAN_SUMS, GroupStats, LayerStats
 
 log = logging.getLogger("salaquant.engine")
 
@@ -82,6 +82,7 @@ class EngineOptions:
     propagate: str = "quantized"  # or "float": next layer sees the float layer's outputs
     hessian: bool = True
     hessian_dtype: str = "fp32"  # or "fp64"
+    hessian_sums: tuple[str, ...] = HESSIAN_SUMS  # the Hessian sums kept: a quantizer needs only its weighting's
     tf32: bool = False  # TF32 for fp32 activations too (~1e-3 relative error); 16-bit ones always use it, exactly
     save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
     show_progress: bool = True
@@ -203,6 +204,7 @@ class _GroupCollector:
         self.device = device
         self.dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
         self.hessian = opts.hessian
+        self.sums = tuple(opts.hessian_sums)
         for g in groups:
             module = layer.get_submodule(g.members[0])
             assert isinstance(module, nn.Linear)
@@ -212,7 +214,7 @@ class _GroupCollector:
 
     def empty(self) -> LayerStats:
         return {
-            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian)
+            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums)
             for name, d in self.dims.items()
         }
 

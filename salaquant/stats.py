@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+HESSIAN_SUMS = ("tokens", "samples")
+"""The two Hessian sums: ``sum X^T X`` (every token weighs the same) and ``sum_s X_s^T X_s / n_s`` (every sample)."""
+
 _HALF_MM_FP32_OUT = [True]
 """Whether this torch multiplies 16-bit CUDA matrices into a float32 result (``out_dtype``); cleared on failure."""
 
@@ -31,6 +34,7 @@ class GroupStats:
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.float32
     hessian: bool = True
+    sums: tuple[str, ...] = HESSIAN_SUMS  # which of the two Hessian sums to keep ("tokens": xtx, "samples")
     xtx: torch.Tensor | None = None
     xtx_per_sample: torch.Tensor | None = None
     absmax: torch.Tensor = field(init=False)
@@ -43,8 +47,12 @@ class GroupStats:
         self.absmax = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
         self.sumsq = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        if self.hessian:
+        unknown = set(self.sums) - set(HESSIAN_SUMS)
+        if unknown or not self.sums:
+            raise ValueError(f"Hessian sums {self.sums!r}: expected some of {HESSIAN_SUMS}")
+        if self.hessian and "tokens" in self.sums:
             self.xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+        if self.hessian and "samples" in self.sums:
             self.xtx_per_sample = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
 
     @property
@@ -98,9 +106,11 @@ class GroupStats:
         """Close the current sample: fold its X^T X into both Hessian sums."""
         if self._sample_tokens == 0:
             return
-        if self._sample_xtx is not None and self.xtx is not None and self.xtx_per_sample is not None:
-            self.xtx += self._sample_xtx
-            self.xtx_per_sample.add_(self._sample_xtx, alpha=1.0 / self._sample_tokens)
+        if self._sample_xtx is not None:
+            if self.xtx is not None:
+                self.xtx += self._sample_xtx
+            if self.xtx_per_sample is not None:
+                self.xtx_per_sample.add_(self._sample_xtx, alpha=1.0 / self._sample_tokens)
             self._sample_xtx.zero_()
         self.counts[0] += self._sample_tokens
         self.counts[1] += 1
@@ -115,28 +125,29 @@ class GroupStats:
         self.absmax = torch.maximum(self.absmax, other.absmax.to(self.absmax.device))
         self.sumsq += other.sumsq.to(self.sumsq.device)
         self.counts += other.counts.to(self.counts.device)
-        if self.xtx is not None and self.xtx_per_sample is not None:
-            assert other.xtx is not None and other.xtx_per_sample is not None, "merging stats without Hessians"
+        if self.xtx is not None:
+            assert other.xtx is not None, "merging statistics that keep different Hessian sums"
             self.xtx += other.xtx.to(self.xtx.device)
+        if self.xtx_per_sample is not None:
+            assert other.xtx_per_sample is not None, "merging statistics that keep different Hessian sums"
             self.xtx_per_sample += other.xtx_per_sample.to(self.xtx_per_sample.device)
         return self
 
     def tensors(self) -> list[torch.Tensor]:
         """Every sum, in a fixed order (received in place by another process: `merge` reads the same fields)."""
         out = [self.absmax, self.sumsq, self.counts]
-        if self.xtx is not None and self.xtx_per_sample is not None:
-            out += [self.xtx, self.xtx_per_sample]
+        out += [t for t in (self.xtx, self.xtx_per_sample) if t is not None]
         return out
 
     # ------------------------------------------------------------------ derived statistics
     def hessian_mean(self) -> torch.Tensor:
         """``sum X^T X / tokens`` (every token weighs the same)."""
-        assert self.xtx is not None, "collected without Hessians"
+        assert self.xtx is not None, "collected without the token-weighted Hessian sum"
         return self.xtx / max(1, self.tokens)
 
     def hessian_per_sample(self) -> torch.Tensor:
         """``mean over samples of X_s^T X_s / n_s`` (every sample weighs the same)."""
-        assert self.xtx_per_sample is not None, "collected without Hessians"
+        assert self.xtx_per_sample is not None, "collected without the per-sample Hessian sum"
         return self.xtx_per_sample / max(1, self.samples)
 
     def mean_sq(self) -> torch.Tensor:
@@ -149,22 +160,25 @@ class GroupStats:
             "sumsq": self.sumsq.cpu(),
             "counts": self.counts.cpu(),
         }
-        if self.xtx is not None and self.xtx_per_sample is not None:
+        if self.xtx is not None:
             out["xtx"] = self.xtx.cpu()
+        if self.xtx_per_sample is not None:
             out["xtx_per_sample"] = self.xtx_per_sample.cpu()
         return out
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> GroupStats:
-        has_h = "xtx" in t
-        dtype = t["xtx"].dtype if has_h else torch.float32
+        kept = [k for k in ("xtx", "xtx_per_sample") if k in t]
+        has_h = bool(kept)
+        dtype = t[kept[0]].dtype if kept else torch.float32
         s = cls(dim=t["absmax"].numel(), device=device, dtype=dtype, hessian=False)
         s.hessian = has_h
         s.absmax = t["absmax"].to(device)
         s.sumsq = t["sumsq"].to(device)
         s.counts = t["counts"].to(device=device, dtype=torch.int64)
-        if has_h:
+        if "xtx" in t:
             s.xtx = t["xtx"].to(device)
+        if "xtx_per_sample" in t:
             s.xtx_per_sample = t["xtx_per_sample"].to(device)
         return s
 

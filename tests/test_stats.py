@@ -63,3 +63,21 @@ def test_gpu_bf16_hessian_on_tensor_cores_is_exact_to_fp32_rounding(
     # remains is fp32 summation (measured 2.5e-6 on the H200).
     _check(st, samples, tol=1e-5)
     assert torch.backends.cuda.matmul.allow_tf32 is False, "the global TF32 setting must be restored"
+
+
+def test_only_the_kept_hessian_sum_is_collected() -> None:
+    """A quantizer that reads one weighting keeps only that d x d sum, equal to the one collected beside the other."""
+    g = torch.Generator().manual_seed(3)
+    samples = [torch.randn(n, 8, generator=g) for n in (12, 30)]
+    both, one = _collect(samples, "cpu", 7), GroupStats(8, sums=("samples",))
+    for s in samples:
+        for i in range(0, s.shape[0], 7):
+            one.update(s[i : i + 7])
+        one.end_sample()
+    assert one.xtx is None and "xtx" not in one.to_tensors()
+    assert torch.equal(one.hessian_per_sample(), both.hessian_per_sample())
+    assert len(one.tensors()) == len(both.tensors()) - 1
+    with pytest.raises(AssertionError, match="token-weighted"):
+        one.hessian_mean()
+    with pytest.raises(ValueError, match="Hessian sums"):
+        GroupStats(8, sums=("rows",))

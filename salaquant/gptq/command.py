@@ -113,6 +113,7 @@ def run_gptq(
             propagate=run.propagate,
             hessian=True,
             hessian_dtype="fp64" if layer.fp64 else "fp32",
+            hessian_sums=(layer.hessian_weighting,),  # the one sum the solve reads
             show_progress=run.show_progress,
         )
         engine = CalibrationEngine(model, [s.ids for s in data.samples], work, engine_opts, settings, ranks)
