@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..distributed import SINGLE, Ranks, spread
 from ..engine import LayerResult
@@ -104,9 +105,10 @@ class NVFP4LayerQuantizer:
 
     @torch.no_grad()
     def _quantize_linear(
-        self, name: str, w: torch.Tensor, ws2: torch.Tensor | None, msq: torch.Tensor, in_scale: torch.Tensor
+        self, name: str, mod: nn.Module, ws2: torch.Tensor | None, msq: torch.Tensor, in_scale: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry."""
+        w = mod.weight.data.float()
         ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
         t0 = time.perf_counter()
         plain = quantize_nvfp4(w, weight_scale_2=ws2)
@@ -165,7 +167,7 @@ class NVFP4LayerQuantizer:
                     report["linears"][m] = {"format": "bf16"}
                     continue
                 ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
-                jobs.append(partial(self._quantize_linear, m, mod.weight.data.float(), ws2, msq, in_scale))
+                jobs.append(partial(self._quantize_linear, m, mod, ws2, msq, in_scale))
                 costs.append(mod.weight.numel() * (1 + self.opts.mse_iters))
         # Each linear is quantized on one process (the costliest first, to the least loaded), its results go to all.
         for got, entry in spread(jobs, costs, self.ranks):
