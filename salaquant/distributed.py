@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .shards import LEAVES, TreeSum, owned_leaves
+from .shards import TreeSum, owned_leaves
 
 T = TypeVar("T")
 
@@ -141,8 +140,7 @@ def combine(
 
 def shard_tokens(lengths: Sequence[int], leaves: Sequence[Sequence[int]], world: int) -> list[int]:
     """Tokens each of ``world`` processes holds, given the leaves' sample indices."""
-    per = LEAVES // world
-    return [sum(lengths[i] for v in range(r * per, (r + 1) * per) for i in leaves[v]) for r in range(world)]
+    return [sum(lengths[i] for v in owned_leaves(r, world) for i in leaves[v]) for r in range(world)]
 
 
 def gather_object(value: T, ranks: Ranks) -> list[T]:
@@ -157,11 +155,7 @@ def gather_object(value: T, ranks: Ranks) -> list[T]:
 def same_everywhere(value: Any, ranks: Ranks, what: str) -> None:
     """Fail on every process when ``value`` (picklable) differs between them: the processes must have read the same
     calibration data and settings."""
-    if not ranks.parallel:
-        return
-    mine = pickle.dumps(value)
-    got: list[Any] = [None] * ranks.world
-    dist.all_gather_object(got, mine)
+    got = gather_object(value, ranks)
     if any(g != got[0] for g in got):
         differ = [r for r, g in enumerate(got) if g != got[0]]
         raise RuntimeError(f"{what} differs between processes (ranks {differ} against rank 0)")
@@ -206,16 +200,16 @@ def share(
 
 def spread(
     jobs: Sequence[Callable[[], tuple[dict[str, torch.Tensor], Any]]], costs: Sequence[float], ranks: Ranks
-) -> list[tuple[dict[str, torch.Tensor], Any]]:
-    """Run each job on one process (`assign`), then give every process every job's ``(tensors, extra)``, in job
-    order; the tensors of other processes' jobs arrive on `comm_device`."""
+) -> Iterator[tuple[dict[str, torch.Tensor], Any]]:
+    """Each job's ``(tensors, extra)`` on every process, in job order: each job runs on one process (`assign`),
+    the tensors of other processes' jobs arrive on `comm_device`. One process runs and yields them one at a time,
+    so that it holds one job's results at once."""
+    if not ranks.parallel:
+        for job in jobs:
+            yield job()
+        return
     owners = assign(costs, ranks.world)
     done = {k: job() for k, job in enumerate(jobs) if owners[k] == ranks.rank}
-    out = []
     for k in range(len(jobs)):
-        tensors, extra = done.get(k, (None, None))
-        if ranks.parallel:
-            tensors, extra = share(tensors, extra, owners[k], ranks, comm_device(ranks))
-        assert tensors is not None
-        out.append((tensors, extra))
-    return out
+        tensors, extra = done.pop(k, (None, None))
+        yield share(tensors, extra, owners[k], ranks, comm_device(ranks))

@@ -23,6 +23,7 @@ two swap roles from layer to layer.)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -239,24 +240,15 @@ class _GroupCollector:
             h.remove()
 
 
-def _merge_stats(left: LayerStats, right: LayerStats) -> LayerStats:
+def _merge_by_name(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
+    """Adds each of ``right``'s sums (GroupStats, observers) into ``left``'s of the same name."""
     for name in sorted(left):
         left[name].merge(right[name])
     return left
 
 
-def _stats_tensors(stats: LayerStats) -> list[torch.Tensor]:
-    return [t for name in sorted(stats) for t in stats[name].tensors()]
-
-
-def _merge_observers(left: dict[str, Observer], right: dict[str, Observer]) -> dict[str, Observer]:
-    for name in sorted(left):
-        left[name].merge(right[name])
-    return left
-
-
-def _observer_tensors(observers: dict[str, Observer]) -> list[torch.Tensor]:
-    return [t for name in sorted(observers) for t in observers[name].tensors()]
+def _tensors_by_name(sums: dict[str, Any]) -> list[torch.Tensor]:
+    return [t for name in sorted(sums) for t in sums[name].tensors()]
 
 
 class CalibrationEngine:
@@ -291,6 +283,8 @@ class CalibrationEngine:
         self.rank_tokens = shard_tokens(lengths, self.leaves, ranks.world)
         self.own_leaves = [self.leaves[v] for v in ranks.leaves()]
         self.own = [i for leaf in self.own_leaves for i in leaf]  # global sample indices, in leaf order
+        ends = itertools.accumulate(len(leaf) for leaf in self.own_leaves)
+        self._leaf_rows = [range(e - len(leaf), e) for leaf, e in zip(self.own_leaves, ends, strict=True)]  # in own
         self.settings = settings or {}
         self.fingerprint = hashlib.sha256(
             json.dumps(
@@ -485,10 +479,8 @@ class CalibrationEngine:
     def _save_hidden(self, hs: list[torch.Tensor]) -> None:
         """This process's hidden states, one file per leaf it owns (keys: global sample indices)."""
         (self.work_dir / "hidden").mkdir(exist_ok=True)
-        pos = 0
-        for v, leaf in zip(self.ranks.leaves(), self.own_leaves, strict=True):
-            tensors = {f"s{i:06d}": hs[pos + k] for k, i in enumerate(leaf)}
-            pos += len(leaf)
+        for v, rows in zip(self.ranks.leaves(), self._leaf_rows, strict=True):
+            tensors = {f"s{self.own[j]:06d}": hs[j] for j in rows}
             _atomic_save(tensors or {"_empty": torch.zeros(0)}, self._hidden_path(v))
 
     def _load_hidden(self) -> list[torch.Tensor]:
@@ -639,15 +631,13 @@ class CalibrationEngine:
         keep_float = self.opts.propagate == "float" or quantizer is None
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
-        tree: TreeSum[LayerStats] = TreeSum(_merge_stats)
-        j = 0
-        for leaf in self.own_leaves:  # each leaf's sums apart, added in the fixed tree (salaquant.shards)
-            for _ in leaf:
+        tree: TreeSum[LayerStats] = TreeSum(_merge_by_name)
+        for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (salaquant.shards)
+            for j in rows:
                 self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
                 if collector is not None:
                     collector.end_sample()
                 progress.sample_done(j, hs[j].shape[1])
-                j += 1
             if collector is not None:
                 tree.push(collector.next_leaf())
         self._sync()
@@ -655,7 +645,7 @@ class CalibrationEngine:
         if collector is not None:
             collector.remove()
             t1 = time.perf_counter()
-            stats = combine(tree.root(), self.ranks, _stats_tensors, collector.empty, _merge_stats)
+            stats = combine(tree.root(), self.ranks, _tensors_by_name, collector.empty, _merge_by_name)
             if self.ranks.parallel:
                 timings["communicate"] += time.perf_counter() - t1
         timings["stats_forward"] += time.perf_counter() - t0
@@ -684,17 +674,15 @@ class CalibrationEngine:
             qlayer.get_submodule(name).register_forward_pre_hook(lambda _m, args, n=name: current[n].update(args[0]))
             for name in result.observe
         ]
-        observed: TreeSum[dict[str, Observer]] = TreeSum(_merge_observers)
+        observed: TreeSum[dict[str, Observer]] = TreeSum(_merge_by_name)
 
         def propagate(through: DecoderLayer, observe: dict[str, Observer], out: list[torch.Tensor] | None) -> None:
-            j = 0
-            for leaf in self.own_leaves:
+            for rows in self._leaf_rows:
                 current.clear()
                 current.update({name: obs.fresh() for name, obs in observe.items()})
-                for _ in leaf:
+                for j in rows:
                     self._run_sample(through, hs[j], out[j] if out is not None else None)
                     progress.sample_done(j, hs[j].shape[1])
-                    j += 1
                 if hooks:
                     observed.push(dict(current))
             self._sync()
@@ -726,9 +714,9 @@ class CalibrationEngine:
                     totals = combine(
                         observed.root(),
                         self.ranks,
-                        _observer_tensors,
+                        _tensors_by_name,
                         lambda: {name: obs.fresh() for name, obs in prototypes.items()},
-                        _merge_observers,
+                        _merge_by_name,
                     )
                     if self.ranks.parallel:
                         timings["communicate"] += time.perf_counter() - t1
