@@ -22,7 +22,7 @@ from salaquant.kernels.w4a16 import dequantize, w4a16_matmul_reference
 pytestmark = pytest.mark.random_inputs
 
 # Products of an fp16 code value and an fp16 activation are exact in fp32 and the tensor core sums them in fp32;
-# what remains is the output's rounding to nearest (2**-11 fp16, 2**-9 bf16), with room for the fp32 sums.
+# what remains is the output's rounding to nearest (2**-11 fp16, 2**-8 bf16), with room for the fp32 sums.
 TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-8}
 
 
