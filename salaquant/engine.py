@@ -27,7 +27,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from . import __version__, host_memory
+from .atomic import atomic_json, atomic_write
 from .background import BackgroundWriter
 from .calib_data import samples_fingerprint
 from .distributed import (
@@ -176,23 +176,8 @@ def model_fingerprint(reader: CheckpointReader) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` into ``path.tmp``, then rename over ``path``; a failed write (a full disk) leaves no ``.tmp``."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-
-
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    _atomic_write(path, lambda tmp: write_safetensors(tensors, tmp))
-
-
-def _atomic_json(obj: Any, path: Path) -> None:
-    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
+    atomic_write(path, lambda tmp: write_safetensors(tensors, tmp))
 
 
 class _GroupCollector:
@@ -407,7 +392,7 @@ class CalibrationEngine:
                 self._digests[name] = self.reader.digest(name)
 
     def _write_state(self, finished: int) -> None:
-        _atomic_json(
+        atomic_json(
             {
                 "fingerprint": self.fingerprint,
                 "finished": finished,
@@ -739,7 +724,7 @@ class CalibrationEngine:
                 self._record_digests(prefix)
             if files is not None:
                 _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
-                _atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
+                atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
         if self._resume_point_after(i):
             self._save_hidden(hs)
             if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)

@@ -5,21 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .formats.gptq_v1.packing import linear_bytes as gptq_v1_bytes
+from .formats.modelopt_nvfp4.numerics import linear_bytes as nvfp4_bytes
 from .model.config import LIGHTNING, SPARSE, SalaConfig
 from .model.layout import global_parameter_shapes, layer_linears, layer_norms
 
 KINDS = (SPARSE, LIGHTNING)
-
-
-def w4a16_bytes(out_features: int, in_features: int, group_size: int = 128) -> int:
-    """GPTQ v1 tensors: qweight int32 [in/8, out], qzeros int32 [groups, out/8], fp16 scales, int32 g_idx."""
-    groups = math.ceil(in_features / group_size) if group_size > 0 else 1
-    return out_features * in_features // 2 + groups * out_features // 2 + groups * out_features * 2 + in_features * 4
-
-
-def nvfp4_bytes(out_features: int, in_features: int) -> int:
-    """ModelOpt NVFP4: uint8 codes [out, in/2], fp8 block scales [out, in/16], fp32 weight_scale_2 and input_scale."""
-    return out_features * in_features // 2 + out_features * math.ceil(in_features / 16) + 8
 
 
 @dataclass
@@ -84,7 +75,7 @@ def summarize(config: SalaConfig) -> ModelSummary:
             else:
                 st.attention += n
             s.bf16_bytes += 2 * n
-            s.w4a16_bytes += w4a16_bytes(spec.out_features, spec.in_features)
+            s.w4a16_bytes += gptq_v1_bytes(spec.out_features, spec.in_features, 4, 128)
             fp4 = nvfp4_bytes(spec.out_features, spec.in_features)
             s.nvfp4_dense_all_bytes += fp4
             keep_bf16 = kind == SPARSE and spec.name.startswith("self_attn.")

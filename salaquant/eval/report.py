@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from ..atomic import atomic_write
 
 JSON_NAME = "eval.json"
 PNG_NAME = "eval.png"
@@ -29,22 +30,10 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    """``write(file)`` into a temporary file beside ``path`` (usual permissions), then rename it into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_json(result: dict[str, Any], folder: Path) -> Path:
     path = folder / JSON_NAME
     text = json.dumps(_finite(result), indent=2, allow_nan=False) + "\n"
-    _atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
 
@@ -355,7 +344,7 @@ def write_png(result: dict[str, Any], folder: Path) -> Path:
     fig.suptitle(f"{result['quantized']['path']} ({result['quantized']['format']}) vs {result['reference']['path']}")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # half an inch for the title
     path = folder / PNG_NAME
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
     return path
 

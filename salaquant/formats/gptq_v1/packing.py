@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "SUPPORTED_BITS",
     "dequantize_gptq_v1",
+    "linear_bytes",
     "pack_factor",
     "pack_gptq_v1",
     "unpack_gptq_v1",
@@ -32,6 +33,16 @@ def pack_factor(bits: int) -> int:
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported by the GPTQ v1 packer; supported: 4, 8")
     return _WORD_BITS // bits
+
+
+def linear_bytes(out_features: int, in_features: int, bits: int, group_size: int) -> int:
+    """Bytes of one quantized linear's four tensors: ``qweight`` and ``qzeros`` packed ``bits`` per value into
+    int32, fp16 ``scales`` and int32 ``g_idx`` (``group_size`` -1: one group over all inputs)."""
+    p = pack_factor(bits)
+    groups = -(-in_features // group_size) if group_size > 0 else 1
+    qweight = -(-in_features // p) * out_features * 4
+    qzeros = groups * -(-out_features // p) * 4
+    return qweight + qzeros + groups * out_features * 2 + in_features * 4
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,12 @@ _ROUND_UP_MIDPOINTS = (0.75, 1.75, 3.5)
 _GLOBAL_DIVISOR = FP4_MAX * FP8_MAX  # 2688
 
 
+def linear_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of one NVFP4 linear as ModelOpt exports it: uint8 ``weight [out, in / 2]`` (two E2M1 codes per byte),
+    float8 ``weight_scale [out, in / 16]`` and the fp32 scalars ``weight_scale_2`` and ``input_scale``."""
+    return out_features * (in_features // 2) + out_features * -(-in_features // BLOCK) + 8
+
+
 def as_fp32(x: torch.Tensor | float, device: torch.device | None = None) -> torch.Tensor:
     """``x`` as an fp32 tensor (on ``device`` when given)."""
     return torch.as_tensor(x, dtype=torch.float32, device=device)
