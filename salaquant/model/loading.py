@@ -96,7 +96,7 @@ def _fill(
         full = prefix + name
         if full not in shapes:
             raise CheckpointError(f"internal: module parameter {full} has no entry in the SALA layout")
-        tensor = _read_weight(reader, full, shapes[full])
+        tensor = _read_weight(reader, full, shapes[full], device)
         state[name] = require_finite(reader, full, tensor.to(device=device, dtype=dtype or tensor.dtype))
     for name in module.state_dict():  # tied parameters appear once above, twice in the state dict
         if name not in state and name == "lm_head.weight":
@@ -104,9 +104,11 @@ def _fill(
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _read_weight(
+    reader: CheckpointReader, name: str, shape: tuple[int, ...], device: torch.device | str
+) -> torch.Tensor:
     """A dense tensor; linears stored as GPTQ v1 (``qweight`` ...) or NVFP4 (uint8 ``weight`` + scales) are
-    dequantized to bfloat16."""
+    dequantized to bfloat16 on ``device``."""
     module = name.removesuffix(".weight")
     if name not in reader and f"{module}.qweight" in reader:
         qconfig = reader.config().get("quantization_config") or {}
@@ -114,14 +116,14 @@ def _read_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...]) ->
             raise CheckpointError(f"{module}.qweight found but config.json has no GPTQ quantization_config")
         from ..formats.gptq_v1.read import dequantized_weight
 
-        return dequantized_weight(reader, module, qconfig, shape)
+        return dequantized_weight(reader, module, qconfig, shape, device)
     if name in reader and reader.dtype(name) == torch.uint8 and f"{module}.weight_scale" in reader:
         from ..formats.modelopt_nvfp4.numerics import NVFP4Weight
 
         q = NVFP4Weight(
-            weight=reader.get(name),
-            weight_scale=reader.get(f"{module}.weight_scale"),
-            weight_scale_2=reader.get(f"{module}.weight_scale_2"),
+            weight=reader.get(name, device=device),
+            weight_scale=reader.get(f"{module}.weight_scale", device=device),
+            weight_scale_2=reader.get(f"{module}.weight_scale_2", device=device),
         )
         w = q.dequantize()
         if tuple(w.shape) != tuple(shape):

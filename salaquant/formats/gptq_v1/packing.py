@@ -68,7 +68,7 @@ def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Unpack int32 words ``[r, m]`` along dim 0, LSB-first: int64 ``[r * p, m]``."""
     p = _WORD_BITS // bits
     r, m = words.shape
-    shifts = (torch.arange(p, dtype=torch.int64) * bits).view(1, p, 1)
+    shifts = (torch.arange(p, dtype=torch.int64, device=words.device) * bits).view(1, p, 1)
     parts = (_to_uint32(words).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return parts.reshape(r * p, m)
 
@@ -130,7 +130,8 @@ def pack_gptq_v1(
 def unpack_gptq_v1(
     qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, in_features: int, out_features: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpack ``qweight``/``qzeros`` into codes ``[out, in]`` int32 and true zeros ``[groups, out]`` int32.
+    """Unpack ``qweight``/``qzeros`` into codes ``[out, in]`` int32 and true zeros ``[groups, out]`` int32, on the
+    device they are on.
 
     The true zero is the stored v1 value plus one.
     """
@@ -142,18 +143,20 @@ def unpack_gptq_v1(
         raise ValueError(f"qweight must be int32 {list(expected_w)}, got {qweight.dtype} {list(qweight.shape)}")
     if qzeros.dtype != torch.int32 or qzeros.dim() != 2 or qzeros.shape[1] != out_features // p:
         raise ValueError(f"qzeros must be int32 [groups, {out_features // p}], got {qzeros.dtype} {list(qzeros.shape)}")
-    codes = _unpack_rows(qweight.cpu(), bits).t().contiguous().to(torch.int32)
-    zeros = (_unpack_rows(qzeros.cpu().t().contiguous(), bits).t() + 1).contiguous().to(torch.int32)
+    codes = _unpack_rows(qweight, bits).t().contiguous().to(torch.int32)
+    zeros = (_unpack_rows(qzeros.to(qweight.device).t().contiguous(), bits).t() + 1).contiguous().to(torch.int32)
     return codes, zeros
 
 
 def dequantize_gptq_v1(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    """Float32 weight ``[out, in]`` from the GPTQ v1 tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``)."""
+    """Float32 weight ``[out, in]`` from the GPTQ v1 tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``), on
+    ``qweight``'s device."""
     for key in ("qweight", "qzeros", "scales", "g_idx"):
         if key not in tensors:
             raise ValueError(f"GPTQ tensors lack {key!r}")
-    g_idx = tensors["g_idx"].cpu().to(torch.int64)
-    scales = tensors["scales"].cpu().to(torch.float32)
+    device = tensors["qweight"].device
+    g_idx = tensors["g_idx"].to(device, torch.int64)
+    scales = tensors["scales"].to(device, torch.float32)
     if g_idx.dim() != 1 or scales.dim() != 2:
         raise ValueError(f"g_idx must be 1-D and scales 2-D, got {list(g_idx.shape)} and {list(scales.shape)}")
     in_f, out_f = g_idx.numel(), scales.shape[1]
