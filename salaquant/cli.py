@@ -44,6 +44,10 @@ ShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")]
 SmoothAlpha = Annotated[float, typer.Option(help="SmoothQuant migration strength.")]
 NoSmooth = Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")]
 Exclude = Annotated[list[str] | None, typer.Option(help="Keep linears matching this regex in bf16.")]
+Budget = Annotated[
+    str | None,
+    typer.Option(help="Export size, e.g. 6.5GB, or 4.5bits per weight: each group's format chosen by measured damage."),
+]
 Propagate = Annotated[str, typer.Option(help="quantized or float: what the next layer calibrates on.")]
 Input = Annotated[Path, typer.Option("--input", "-i", help="The bf16 SALA checkpoint folder.")]
 Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, text, folder, parquet, hf:NAME...")]
@@ -253,6 +257,7 @@ def gptq_command(
         str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')
     ] = _GPTQ.quantization.layer_bits,
     exclude: Exclude = None,
+    budget: Budget = None,
     smooth_alpha: SmoothAlpha = _GPTQ.smoothing.alpha,
     smooth: Annotated[
         bool, typer.Option("--smooth/--no-smooth", help="SmoothQuant before GPTQ (off by default for weight-only).")
@@ -298,6 +303,7 @@ def gptq_command(
             "lightning_bits": lightning_bits,
             "layer_bits": layer_bits,
             "exclude": exclude or [],
+            "budget": budget,
         },
         "gptq": {
             "damp": damp,
@@ -328,6 +334,7 @@ def nvfp4_command(
         bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")
     ] = _NVFP4.nvfp4.dense_all,
     exclude: Exclude = None,
+    budget: Budget = None,
     mse_iters: Annotated[
         int, typer.Option(help="Block-scale search steps (0: plain scales).")
     ] = _NVFP4.nvfp4.mse_iters,
@@ -352,6 +359,7 @@ def nvfp4_command(
         "method": "nvfp4",
         "calibration": _calibration(calib, max_samples, max_len, min_len, shuffle, seed, field),
         "smoothing": {"enabled": not no_smooth, "alpha": smooth_alpha},
+        "quantization": {"budget": budget},
         "nvfp4": {
             "dense_all": dense_all,
             "exclude": exclude or [],

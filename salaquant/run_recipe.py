@@ -104,6 +104,9 @@ def _quantize(
             layer_bits=q.layer_bits,
             exclude=tuple(q.exclude),
             rules=tuple(BitsRule(x.match, x.bits, x.group_size) for x in q.rules),
+            budget=q.budget,
+            budget_windows=q.budget_windows,
+            budget_seq_len=q.budget_seq_len,
         )
         layer = GPTQLayerOptions(
             damp=g.damp,
@@ -159,6 +162,9 @@ def _quantize(
         run4 = NVFP4RunOptions(
             dense_all=n.dense_all,
             exclude=tuple(n.exclude + q.exclude),
+            budget=q.budget,
+            budget_windows=q.budget_windows,
+            budget_seq_len=q.budget_seq_len,
             device=e.device,
             chunk_tokens=e.chunk_tokens,
             propagate=e.propagate,

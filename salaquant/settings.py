@@ -83,6 +83,20 @@ class Quantization(_Section):
     layer_bits: str = Field("", description='e.g. "0:8,2-7:4" (16 = bf16)')
     rules: list[BitsRuleModel] = Field(default_factory=list, description="first match wins")
     exclude: list[str] = Field(default_factory=list)
+    budget: str | None = Field(
+        None, description='size of the export, e.g. "6.5GB", or "4.5bits" per weight: the options chosen by measurement'
+    )
+    budget_windows: int = Field(8, ge=1, description="calibration windows the budget search measures damage on")
+    budget_seq_len: int = Field(512, ge=2, description="tokens per budget search window")
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v: str | None) -> str | None:
+        if v is not None:
+            from .budget.size import parse_budget
+
+            parse_budget(v)
+        return v
 
 
 class GPTQSection(_Section):

@@ -40,7 +40,7 @@ MODEL = ROOT / "models" / "sala-tiny"
 CALIB = [str(ROOT / "calib" / "sala-tiny-calib.jsonl")]
 QUIET = Console(quiet=True)
 SMALL = CalibOptions(max_samples=2, max_len=128)
-KINDS = ("bf16", "gptq", "gptq_mixed", "gptq_exclude", "nvfp4", "nvfp4_dense_all")
+KINDS = ("bf16", "gptq", "gptq_mixed", "gptq_exclude", "gptq_budget", "nvfp4", "nvfp4_dense_all", "nvfp4_budget")
 # SGLang's fused linears and the checkpoint linears they hold, in the order they are stacked.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_OF = {m: fused for fused, members in FUSED.items() for m in members}
@@ -53,8 +53,8 @@ def _gptq(out: Path, bits: BitsOptions) -> Path:
     return run_gptq(MODEL, out, CALIB, SMALL, bits, GPTQLayerOptions(), run, QUIET)
 
 
-def _nvfp4(out: Path, dense_all: bool) -> Path:
-    run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=dense_all)
+def _nvfp4(out: Path, dense_all: bool, budget: str | None = None) -> Path:
+    run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=dense_all, budget=budget, budget_seq_len=64)
     return run_nvfp4(MODEL, out, CALIB, SMALL, NVFP4LayerOptions(mse_iters=8), run, QUIET)
 
 
@@ -66,8 +66,10 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gptq": _gptq(root / "gptq", BitsOptions()),
         "gptq_mixed": _gptq(root / "gptq_mixed", BitsOptions(layer_bits="1:8,2-3:16")),
         "gptq_exclude": _gptq(root / "gptq_exclude", BitsOptions(exclude=(r"layers\.4\.mlp\.down_proj",))),
+        "gptq_budget": _gptq(root / "gptq_budget", BitsOptions(budget="7bits", budget_seq_len=64)),  # 4, 8, bf16
         "nvfp4": _nvfp4(root / "nvfp4", dense_all=False),
         "nvfp4_dense_all": _nvfp4(root / "nvfp4_dense", dense_all=True),
+        "nvfp4_budget": _nvfp4(root / "nvfp4_budget", dense_all=False, budget="6bits"),
     }
 
 

@@ -12,17 +12,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..budget.search import SearchOptions, budget_range, plan_budget, record_budget
+from ..budget.size import parse_budget
 from ..calib_data import CalibOptions
-from ..distributed import barrier
-from ..engine import CalibrationEngine, EngineOptions
+from ..distributed import barrier, device_for
+from ..engine import CalibrationEngine, EngineOptions, resolve_device
 from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
 from ..formats.gptq_v1.config import quantization_config
+from ..model.checkpoint import CheckpointReader
 from ..outputs import work_dir_for
 from ..settings import defaults, parse_size
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
+from .budget import gptq_probe, gptq_units, plan_of
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
 from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
 
@@ -95,17 +99,32 @@ def run_gptq(
         )
         for name, reasons in excluded.items():
             console.print(f"  {name}: {reasons[0]}")
+    budget = parse_budget(bits.budget) if bits.budget is not None else None
+    units = gptq_units(config, plan) if budget is not None else []
+    if budget is not None:
+        with CheckpointReader(model) as reader:
+            budget_range(reader, config, units, budget)  # a budget that cannot be met fails before any work
     work = work_dir_for(output)
+    device = device_for(ranks, resolve_device(run.device))
     with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
         size = summarize(config).w4a16_bytes
         check_run_space(output, config, size, data.total_tokens, size)
+        chosen = None
+        if budget is not None:
+            with CheckpointReader(model) as reader:
+                chosen = plan_budget(
+                    work, run.resume, reader, config, [s.ids for s in data.samples], units, gptq_probe(layer, plan),
+                    budget, SearchOptions(bits.budget_windows, bits.budget_seq_len), device, console, ranks,
+                )  # fmt: skip
+            plan = plan_of(units, chosen.choice, plan)
         settings = {
             "method": "gptq",
             "bits": dataclasses.asdict(bits),
             "gptq": dataclasses.asdict(layer),
             "marlin_exclusions": sorted(excluded),
             "calibration": dataclasses.asdict(calib),
+            "budget_choice": None if chosen is None else {u.full_name: chosen.option(k) for k, u in enumerate(units)},
         }
         engine_opts = EngineOptions(
             device=run.device,
@@ -152,6 +171,8 @@ def run_gptq(
             overwrite=run.overwrite,
         )
         check = check_checkpoint(output, tp=run.tp)
+        if chosen is not None:
+            record_budget(chosen, config, model, output, [s.ids for s in data.samples], device, console)
         shutil.rmtree(work, ignore_errors=True)
         console.print(
             f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from ..formats.gptq_v1.dynamic import LinearPlan
 from ..model.config import LIGHTNING, SPARSE, SalaConfig
 from ..model.layout import FUSED_PARAMETERS, layer_linears
+from ..settings import defaults
+
+_DEFAULTS = defaults("gptq")
 
 SUPPORTED_BITS = (4, 8, 16)
 
@@ -63,10 +66,35 @@ class BitsOptions:
     layer_bits: str = ""
     exclude: tuple[str, ...] = ()  # regexes matched (re.search) against full linear names
     rules: tuple[BitsRule, ...] = ()
+    budget: str | None = None  # the bits of every group chosen by measurement under this size (salaquant.budget)
+    budget_windows: int = _DEFAULTS.quantization.budget_windows
+    budget_seq_len: int = _DEFAULTS.quantization.budget_seq_len
+
+
+def _budget_conflicts(opts: BitsOptions) -> list[str]:
+    """The bits options a budget cannot be combined with (it chooses every group's bits itself)."""
+    given = [
+        ("--bits", opts.bits != 4),
+        ("--minicpm4-bits", opts.minicpm4_bits is not None),
+        ("--lightning-bits", opts.lightning_bits is not None),
+        ("--layer-bits", bool(opts.layer_bits.strip())),
+        ("rules with bits", any(r.bits is not None for r in opts.rules)),
+    ]
+    return [name for name, set_ in given if set_]
 
 
 def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
-    """The plan of every decoder linear, by full checkpoint name (``model.layers.{i}.{linear}``)."""
+    """The plan of every decoder linear, by full checkpoint name (``model.layers.{i}.{linear}``). With a budget,
+    the 4-bit plan its search starts from (excludes and group sizes applied)."""
+    if opts.budget is not None:
+        conflicts = _budget_conflicts(opts)
+        if conflicts:
+            raise PlanError(
+                f"--budget {opts.budget} chooses the bits of every group itself: drop {', '.join(conflicts)} "
+                "(keep --exclude for linears that must stay bf16)"
+            )
+        if opts.budget_windows < 1 or opts.budget_seq_len < 2:
+            raise PlanError("the budget search needs at least one window of at least 2 tokens")
     checks = (("--bits", opts.bits), ("--minicpm4-bits", opts.minicpm4_bits), ("--lightning-bits", opts.lightning_bits))
     for name, value in checks:
         if value is not None and value not in SUPPORTED_BITS:

@@ -12,19 +12,23 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..budget.search import SearchOptions, budget_range, plan_budget, record_budget
+from ..budget.size import parse_budget
 from ..calib_data import CalibOptions
-from ..distributed import barrier
-from ..engine import CalibrationEngine, EngineOptions
+from ..distributed import barrier, device_for
+from ..engine import CalibrationEngine, EngineOptions, resolve_device
 from ..export import export_checkpoint
 from ..formats.check import check_checkpoint
 from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config
+from ..model.checkpoint import CheckpointReader
 from ..outputs import work_dir_for
 from ..settings import defaults, parse_size
 from ..summary import summarize
 from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
+from .budget import nvfp4_probe, nvfp4_units, plan_of
 from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
-from .plan import build_nvfp4_plan
+from .plan import NVFP4PlanError, build_nvfp4_plan
 
 _DEFAULTS = defaults("nvfp4")
 
@@ -35,6 +39,9 @@ class NVFP4RunOptions:
 
     dense_all: bool = _DEFAULTS.nvfp4.dense_all
     exclude: tuple[str, ...] = ()
+    budget: str | None = None  # NVFP4 or bf16 for every unit, chosen by measurement under this size
+    budget_windows: int = _DEFAULTS.quantization.budget_windows
+    budget_seq_len: int = _DEFAULTS.quantization.budget_seq_len
     device: str = _DEFAULTS.engine.device
     chunk_tokens: int = _DEFAULTS.engine.chunk_tokens
     propagate: str = _DEFAULTS.engine.propagate
@@ -77,22 +84,41 @@ def run_nvfp4(
     config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
         console = Console(quiet=True)
-    plan = build_nvfp4_plan(config, run.dense_all, run.exclude)  # bad exclusions fail before any work
+    if run.budget is not None and run.dense_all:
+        raise NVFP4PlanError(f"--budget {run.budget} chooses every block's format itself: drop --dense-all")
+    budget = parse_budget(run.budget) if run.budget is not None else None
+    # with a budget every block may take NVFP4 (as dense-all) unless an --exclude pattern keeps it bf16
+    plan = build_nvfp4_plan(config, run.dense_all or budget is not None, run.exclude)  # fails before any work
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
-    exclude_modules = plan.exclude_modules(config)
+    units = nvfp4_units(config, plan) if budget is not None else []
+    if budget is not None:
+        with CheckpointReader(model) as reader:
+            budget_range(reader, config, units, budget)  # a budget that cannot be met fails before any work
     work = work_dir_for(output)
+    device = device_for(ranks, resolve_device(run.device))
     with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
         sizes = summarize(config)
         size = sizes.nvfp4_dense_all_bytes if run.dense_all else sizes.nvfp4_default_bytes
         check_run_space(output, config, size, data.total_tokens, size)
+        chosen = None
+        if budget is not None:
+            with CheckpointReader(model) as reader:
+                chosen = plan_budget(
+                    work, run.resume, reader, config, [s.ids for s in data.samples], units, nvfp4_probe, budget,
+                    SearchOptions(run.budget_windows, run.budget_seq_len), device, console, ranks,
+                )  # fmt: skip
+            plan = plan_of(config, units, chosen.choice, plan)
+        exclude_modules = plan.exclude_modules(config)
         settings = {
             "method": "nvfp4",
             "dense_all": run.dense_all,
             "exclude": list(run.exclude),
             "nvfp4": dataclasses.asdict(layer),
             "calibration": dataclasses.asdict(calib),
+            "budget": run.budget,
+            "budget_choice": None if chosen is None else {u.full_name: chosen.option(k) for k, u in enumerate(units)},
         }
         engine_opts = EngineOptions(
             device=run.device,
@@ -128,6 +154,8 @@ def run_nvfp4(
             overwrite=run.overwrite,
         )
         check = check_checkpoint(output)
+        if chosen is not None:
+            record_budget(chosen, config, model, output, [s.ids for s in data.samples], device, console)
         shutil.rmtree(work, ignore_errors=True)
         console.print(
             f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
