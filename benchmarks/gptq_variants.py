@@ -292,18 +292,36 @@ def validation_pick(
     return dataclasses.replace(opts, **changes), why
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def scoring_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options every study on these texts takes: output folder, calibration, windows, threads, resume."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--max-samples", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=16, help="held-out windows (quality.py's)")
     ap.add_argument("--window-len", type=int, default=1024)
     ap.add_argument("--val-windows", type=int, default=None, help="validation windows (default: all)")
-    ap.add_argument("--only", nargs="*", help="run only variants whose name contains one of these strings")
-    ap.add_argument("--no-stage2", action="store_true", help="skip stage 2 (single changes on the auto alpha)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true", help="reuse the scored rows a previous run left in OUT/rows")
+    return ap
+
+
+def scoring_sets(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TextSet], dict[str, Any]]:
+    """The bf16 reference and the ``[validation, heldout]`` sets it is scored against (the held-out windows are
+    exactly quality.py's), with the validation text's description."""
+    tok = load_tokenizer(MODEL)
+    reference = load_model(MODEL)
+    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
+    held = TextSet("heldout", windows(held_tokens, args.window_len, args.windows), reference)
+    val_tokens, val_info = validation_text(args.out, tok)
+    val = TextSet("validation", windows(val_tokens, args.window_len, args.val_windows), reference)
+    return reference, [val, held], val_info
+
+
+def main() -> None:
+    ap = scoring_arguments(__doc__)
+    ap.add_argument("--only", nargs="*", help="run only variants whose name contains one of these strings")
+    ap.add_argument("--no-stage2", action="store_true", help="skip stage 2 (single changes on the auto alpha)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -312,13 +330,8 @@ def main() -> None:
     t_start = time.perf_counter()
     state_start = source_state()
 
-    tok = load_tokenizer(MODEL)
-    reference = load_model(MODEL)
-    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens  # exactly quality.py's windows
-    held = TextSet("heldout", windows(held_tokens, args.window_len, args.windows), reference)
-    val_tokens, val_info = validation_text(args.out, tok)
-    val = TextSet("validation", windows(val_tokens, args.window_len, args.val_windows), reference)
-    sets = [val, held]
+    reference, sets, val_info = scoring_sets(args)
+    val, held = sets
     bf16 = {s.name: s.score(reference) for s in sets}
     console.print(
         f"bf16: validation ppl {bf16['validation']['ppl']:.3f} ({len(val.wins)} windows), "

@@ -12,6 +12,9 @@ of the calibration work with the fraction of it reached.
   python benchmarks/pipeline.py --out OUT                       # H200: full shape, 131072 + 4 x 8192 tokens
   python benchmarks/pipeline.py --out /tmp/p --preset tiny --long 600 --short 128 --short-count 2   # CPU smoke
 
+``--budget 4.5bits`` also runs ``gptq --budget`` after the plain ``gptq`` and reports the search's seconds and the
+wall time it adds to the plain run's.
+
 ``--nproc 1 2 4`` runs each command instead under ``torchrun --nproc-per-node N`` (as a user does; one process
 through torchrun too) and reports per N the calibration tokens/s, the speed-up and scaling efficiency against
 N = 1, the communication time, each process's tokens and peak GPU memory / RSS, and whether every shard's sha256
@@ -140,7 +143,14 @@ def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
 
 
 def run_quantizer(
-    method: str, model: Path, calib: Path, out: Path, device: str, max_len: int, input_scale: str | None = None
+    method: str,
+    model: Path,
+    calib: Path,
+    out: Path,
+    device: str,
+    max_len: int,
+    input_scale: str | None = None,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
@@ -156,7 +166,8 @@ def run_quantizer(
     with RssTimeline() as rss:
         if method == "gptq":
             run = RunOptions(device=device, show_progress=False, overwrite=True)
-            run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
+            bits = BitsOptions(budget=budget)
+            run_gptq(model, out, [str(calib)], options, bits, GPTQLayerOptions(), run, console)
         else:
             run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
             layer = NVFP4LayerOptions() if input_scale is None else NVFP4LayerOptions(input_scale=input_scale)
@@ -166,6 +177,7 @@ def run_quantizer(
     timings = report["timings_s"]
     calib_s = float(timings.get("calibrate_and_quantize", wall))
     tokens = int(report["calibration"]["tokens"])
+    searched = report.get("budget")
     return {
         "wall_s": round(wall, 2),  # the phases round to 2 decimals too, so wall_s >= each of them
         "phase_seconds": {k: round(float(v), 2) for k, v in timings.items()},
@@ -178,11 +190,19 @@ def run_quantizer(
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         "peak_cpu_rss_gib": _rss_gib(),  # the process's peak so far (earlier work in the process included)
         "cpu_rss_gib_by_phase": rss.summary(),  # sampled every 0.1 s during this quantizer only
+        **({"budget": {k: v for k, v in searched.items() if k != "units"}} if searched else {}),
     }
 
 
 def run_launched(
-    method: str, nproc: int, model: Path, calib: Path, out: Path, max_len: int, input_scale: str | None = None
+    method: str,
+    nproc: int,
+    model: Path,
+    calib: Path,
+    out: Path,
+    max_len: int,
+    input_scale: str | None = None,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     """The command under ``torchrun --nproc-per-node nproc`` (one process: through torchrun too): wall time,
     calibration tokens/s, communication time, per-process tokens and peaks, and each shard's sha256."""
@@ -195,6 +215,8 @@ def run_launched(
     cmd += ["--calib", str(calib), "--max-len", str(max_len), "--overwrite"]
     if method == "nvfp4" and input_scale is not None:
         cmd += ["--input-scale", input_scale]
+    if budget is not None:
+        cmd += ["--budget", budget]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
@@ -214,6 +236,7 @@ def run_launched(
         "rank_tokens": report["rank_tokens"],
         "rank_peaks": report["rank_peaks"],
         "sha256": shards,
+        **({"budget": {k: v for k, v in report["budget"].items() if k != "units"}} if "budget" in report else {}),
     }
 
 
@@ -230,6 +253,15 @@ def scaling(method: str, nprocs: list[int], model: Path, calib: Path, scratch: P
             r["efficiency"] = round(r["speedup"] / n, 3)
             r["same_bytes_as_one"] = r["sha256"] == rows[1]["sha256"]
     return rows
+
+
+def with_budget_fractions(row: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """A ``--budget`` run's row with the wall time it added to the plain run's, and the share of the plain wall
+    time taken by the search (before the calibration) and by the export's KL measured back (after it)."""
+    row["added_wall_fraction"] = round(row["wall_s"] / plain["wall_s"] - 1, 3)
+    searched = row["budget"]["search_seconds"] + row["budget"]["measure_seconds"]
+    row["search_and_check_fraction_of_plain_wall"] = round(searched / plain["wall_s"], 3)
+    return row
 
 
 def gla_autotuned() -> dict[str, dict[str, str]]:
@@ -277,6 +309,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     ap.add_argument("--nvfp4-input-scale", choices=["max", "mse"], help="nvfp4's input-scale rule (default: its own)")
     ap.add_argument(
+        "--budget",
+        help="also run gptq --budget SIZE after plain gptq: the search's seconds and the wall time it adds",
+    )
+    ap.add_argument(
         "--nproc", type=int, nargs="+", help="run each command under torchrun with these process counts (1 2 4)"
     )
     args = ap.parse_args()
@@ -310,6 +346,12 @@ def main() -> None:
     if args.nproc:
         for method in args.methods:
             res[method] = scaling(method, args.nproc, model, calib, args.scratch, max_len, args.nvfp4_input_scale)
+            if method == "gptq" and args.budget:
+                n = min(args.nproc)
+                out = args.scratch / "export-gptq-budget"
+                b = run_launched(method, n, model, calib, out, max_len, budget=args.budget)
+                res["gptq_budget"] = {n: with_budget_fractions(b, res[method][n])}
+                print(json.dumps({"gptq_budget": res["gptq_budget"]}), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"pipeline-{args.preset}-nproc.json").write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out / f'pipeline-{args.preset}-nproc.json'}")
@@ -333,6 +375,12 @@ def main() -> None:
         r["generate"] = generate_check(out, device)
         res[method] = r
         print(json.dumps({method: r}, indent=2), flush=True)
+        if method == "gptq" and args.budget:
+            out = args.scratch / "export-gptq-budget"
+            b = run_quantizer(method, model, calib, out, device, max_len, budget=args.budget)
+            res["gptq_budget"] = with_budget_fractions(b, r)
+            print(json.dumps({"gptq_budget": b}, indent=2), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
     res["gla_autotuned"] = gla_autotuned()
     res["hidden_state_gib"] = round(sum(lengths) * cfg.hidden_size * 2 / 2**30, 2)
     args.out.mkdir(parents=True, exist_ok=True)

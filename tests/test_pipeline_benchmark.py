@@ -1,4 +1,5 @@
-"""``benchmarks/pipeline.py`` in its CPU smoke form: both quantizers end to end, every figure it promises."""
+"""``benchmarks/pipeline.py`` in its CPU smoke form: both quantizers end to end and ``gptq --budget``, every figure
+it promises."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pipeline_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--out", str(tmp_path / "out")]
     cmd += ["--preset", "tiny", "--long", "600", "--short", "128", "--short-count", "2"]
-    cmd += ["--scratch", str(tmp_path / "scratch")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd += ["--scratch", str(tmp_path / "scratch"), "--budget", "5.5bits"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "out" / "pipeline-tiny.json").read_text())
     assert res["calibration_lengths"] == [600, 128, 128]
@@ -30,4 +31,13 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
         assert phases["setup"] > 0 and 0 < phases["calibration_first_layer"] <= phases["calibration_layers_max"]
         assert phases["export_and_check"] > 0
         assert max(phases.values()) <= r["peak_cpu_rss_gib"] + 0.01
+    b = res["gptq_budget"]
+    assert b["budget"]["achieved_bytes"] == b["budget"]["predicted_bytes"] <= b["budget"]["budget_bytes"]
+    assert b["export_bytes"] > res["gptq"]["export_bytes"]  # 5.5 bits: more than uniform 4-bit
+    parts = b["budget"]["search_parts_s"]
+    assert set(parts) == {"load", "probe", "forward", "logits_and_kl"}
+    assert 0 < sum(parts.values()) <= b["budget"]["search_seconds"]
+    searched = b["budget"]["search_seconds"] + b["budget"]["measure_seconds"]
+    assert b["search_and_check_fraction_of_plain_wall"] == round(searched / res["gptq"]["wall_s"], 3)
     assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep
+    assert not (tmp_path / "scratch" / "export-gptq-budget").exists()
