@@ -158,7 +158,8 @@ def _groups(n: int, group_size: int) -> tuple[int, int, torch.Tensor]:
 
 
 def rtn(weight: torch.Tensor, config: GPTQConfig | None = None) -> QuantizedWeight:
-    """Round-to-nearest on the same grid and groups as ``gptq`` (MSE scale search if ``config.mse``)."""
+    """Round-to-nearest on the same grid and groups as ``gptq`` (MSE scale search if ``config.mse``). Every group's
+    scales come from one call over all of them (the search is per row, so batching rows changes nothing)."""
     config = config or GPTQConfig()
     dtype = torch.float64 if config.fp64 else torch.float32
     w = weight.detach().to(dtype)
@@ -166,12 +167,19 @@ def rtn(weight: torch.Tensor, config: GPTQConfig | None = None) -> QuantizedWeig
         raise ValueError("weight must be a finite 2-D tensor")
     gs, n_groups, g_idx = _groups(w.shape[1], config.group_size)
     zero = 2 ** (config.bits - 1)
-    scales = torch.empty(n_groups, w.shape[0], dtype=torch.float16, device=w.device)
-    codes = torch.empty(w.shape, dtype=torch.int32, device=w.device)
-    for g in range(n_groups):
-        cols = slice(g * gs, (g + 1) * gs)
-        scales[g] = _group_scale(w[:, cols], config)
-        codes[:, cols] = quantize_codes(w[:, cols], scales[g], zero, config.bits)
+    out, n = w.shape
+    if n == n_groups * gs:  # whole groups: every (row, group) is one row of a [groups * out, gs] problem
+        rows = w.view(out, n_groups, gs).transpose(0, 1).reshape(n_groups * out, gs)
+        flat = _group_scale(rows, config)
+        codes = quantize_codes(rows, flat, zero, config.bits).view(n_groups, out, gs).transpose(0, 1)
+        scales, codes = flat.view(n_groups, out), codes.reshape(out, n)
+    else:  # a partial last group
+        scales = torch.empty(n_groups, out, dtype=torch.float16, device=w.device)
+        codes = torch.empty(w.shape, dtype=torch.int32, device=w.device)
+        for g in range(n_groups):
+            cols = slice(g * gs, (g + 1) * gs)
+            scales[g] = _group_scale(w[:, cols], config)
+            codes[:, cols] = quantize_codes(w[:, cols], scales[g], zero, config.bits)
     return QuantizedWeight(codes, scales, zero, g_idx.to(w.device), config.bits, config.group_size)
 
 
