@@ -86,7 +86,7 @@ class Quantization(_Section):
     budget: str | None = Field(
         None, description='size of the export, e.g. "6.5GB", or "4.5bits" per weight: the options chosen by measurement'
     )
-    budget_windows: int = Field(8, ge=1, description="calibration windows the budget search measures damage on")
+    budget_windows: int = Field(4, ge=1, description="calibration windows the budget search measures damage on")
     budget_seq_len: int = Field(512, ge=2, description="tokens per budget search window")
 
     @field_validator("budget")
