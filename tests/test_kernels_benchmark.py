@@ -1,4 +1,4 @@
-"""``benchmarks/kernels.py``: the one-table summary built from each kernel benchmark's JSON."""
+"""``benchmarks/kernel_targets.py``: the one-table summary built from each kernel benchmark's JSON."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _write(out: Path) -> None:
 
 def test_summary_ratios_and_targets(tmp_path: Path) -> None:
     _write(tmp_path)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--out", str(tmp_path), "--summarize-only"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_targets.py"), "--out", str(tmp_path), "--summarize-only"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["case"]: r for r in json.loads((tmp_path / "kernels.json").read_text())["rows"]}
@@ -102,6 +102,6 @@ def test_summary_ratios_and_targets(tmp_path: Path) -> None:
 
 
 def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--out", str(tmp_path), "--only", "gemm"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_targets.py"), "--out", str(tmp_path), "--only", "gemm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown benchmarks ['gemm']" in proc.stderr

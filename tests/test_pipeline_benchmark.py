@@ -36,7 +36,8 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
     assert b["export_bytes"] > res["gptq"]["export_bytes"]  # 5.5 bits: more than uniform 4-bit
     parts = b["budget"]["search_parts_s"]
     assert set(parts) == {"load", "probe", "forward", "logits_and_kl"}
-    assert 0 < sum(parts.values()) <= b["budget"]["search_seconds"]
+    # each figure is rounded to 0.01 s on its own, so the sum may pass the total by half a step per part
+    assert 0 < sum(parts.values()) <= b["budget"]["search_seconds"] + 0.005 * (len(parts) + 1)
     searched = b["budget"]["search_seconds"] + b["budget"]["measure_seconds"]
     assert b["search_and_check_fraction_of_plain_wall"] == round(searched / res["gptq"]["wall_s"], 3)
     assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep

@@ -5,9 +5,9 @@ process, with its own time limit, log and JSON under OUT), then reads their JSON
 target case our time, the peer's time measured in the same run, the ratio, the target and whether it is met.
 Writes ``OUT/kernels.json`` (the table's rows) and ``OUT/kernels.md``.
 
-  python benchmarks/kernels.py --out OUT                         # H200: everything (each script <= 4 min)
-  python benchmarks/kernels.py --out OUT --only gla,infllm       # a subset
-  python benchmarks/kernels.py --out OUT --summarize-only        # the table from JSON already in OUT
+  python benchmarks/kernel_targets.py --out OUT                         # H200: everything (each script <= 4 min)
+  python benchmarks/kernel_targets.py --out OUT --only gla,infllm       # a subset
+  python benchmarks/kernel_targets.py --out OUT --summarize-only        # the table from JSON already in OUT
 """
 
 from __future__ import annotations
