@@ -53,6 +53,6 @@ def best_scale_reference(
     errs = []
     for b in range(0, candidates.shape[0], batch):
         sc = candidates[b : b + batch][:, :, None]
-        q = (torch.round(w[None] / sc) + zero).clamp(0, maxq)
-        errs.append(((q - zero) * sc - w[None]).pow(2).sum(-1))
+        q = torch.div(w[None], sc).round_().add_(zero).clamp_(0, maxq)  # one temporary, updated in place
+        errs.append(q.sub_(zero).mul_(sc).sub_(w[None]).square_().sum(-1))
     return torch.cat(errs).argmin(dim=0)
