@@ -117,14 +117,36 @@ def fp32_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# The files that take longest on the 2-core CPU machine, longest first. pytest-xdist hands a worker one whole file
+# at a time in collection order (`--dist loadfile --no-loadscope-reorder`): starting these first keeps every core
+# busy to the end instead of leaving one file of minutes running alone.
+LONGEST_FIRST = (
+    "test_distributed.py",
+    "test_demo.py",
+    "test_quality_smoke.py",
+    "test_eval.py",
+    "test_kernels_infllm.py",
+    "test_sglang.py",
+    "test_nvfp4_e2e.py",
+    "test_recipes.py",
+    "test_shipped_model.py",
+    "test_gptq_e2e.py",
+    "test_decode_benchmark.py",
+    "test_lm_eval.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip what the machine cannot run, by marker (registered in pyproject.toml).
+    """Put the longest files first (`LONGEST_FIRST`; the rest keep their order), and skip what the machine cannot
+    run, by marker (registered in pyproject.toml).
 
     ``gpu`` tests need CUDA and run without ``TRITON_INTERPRET=1`` (full SALA shapes, far too slow interpreted);
     ``interpreter`` tests run Triton on CPU tensors, which only the interpreter does: on a CUDA machine they run
     with ``TRITON_INTERPRET=1``, so each run there takes one side. Machines without CUDA always interpret.
     """
     del config
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file stays
     cuda = torch.cuda.is_available()
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
