@@ -101,8 +101,8 @@ def main() -> None:
     state_start = source_state()
     _, sets, val_info = scoring_sets(args)
 
-    hand = dict(HAND_RULES)
-    rows = {name: run_row(name, hand[name], args, sets, console) for name in (W4, SELECT_AT)}
+    rules = dict(HAND_RULES)
+    rows = {name: run_row(name, rules[name], args, sets, console) for name in (W4, SELECT_AT)}
     # the search's window count, chosen on the validation text at the size of the minicpm4 rule (first, so that
     # the choice is known early)
     size = rows[SELECT_AT]["bytes"]
@@ -128,11 +128,11 @@ def main() -> None:
     same_size.update({f"budget at {SELECT_AT}, {n} windows": SELECT_AT for n in WINDOW_CHOICES})
     for label, row in rows.items():
         if label in same_size:
-            hand = rows[same_size[label]]
+            rule_row = rows[same_size[label]]
             row["vs_hand_rule"] = {
                 s: {
-                    "kl_reduction": 1 - row[s]["kl"] / hand[s]["kl"],
-                    **paired(row[s], hand[s]),
+                    "kl_reduction": 1 - row[s]["kl"] / rule_row[s]["kl"],
+                    **paired(row[s], rule_row[s]),
                 }
                 for s in ("validation", "heldout")
             }
