@@ -109,9 +109,9 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def test_fused_projections_compute_what_their_members_do(
     fp32_model: Path, shipped_rtn_export: Path, tmp_path: Path
 ) -> None:
-    """bf16 weights, GPTQ and NVFP4 (weight-only and W4A4), run in bf16: one fused qkv_proj and gate_up_proj per
-    layer where the members share what a fused linear needs, and exactly the logits of the unfused model (each
-    output column is computed alone, in the same order)."""
+    """bf16 weights, GPTQ and NVFP4 (weight-only and W4A4), run in bf16: one fused gate_up_proj per layer and one
+    fused q/k/v with the output gate where the members share what a fused linear needs (else q/k/v alone), and
+    exactly the logits of the unfused model (each output column is computed alone, in the same order)."""
     ids = _prompts((40,), 4096)[0]
     nvfp4 = run_nvfp4(
         fp32_model,
@@ -127,14 +127,30 @@ def test_fused_projections_compute_what_their_members_do(
     for path, acts, kind in cases:
         fused = load(path, kernels=False, activations=acts)  # bf16
         plain = load(path, kernels=False, activations=acts, fuse=False)
-        for layer in fused.model.layers:
+        for layer, alone in zip(fused.model.layers, plain.model.layers, strict=True):
             assert isinstance(layer.mlp.gate_up_proj, kind) and "gate_proj" not in layer.mlp._modules
-            qkv = layer.self_attn.qkv_proj
-            assert sum(layer.self_attn.fused_sizes) == qkv.out_features
+            gate = "z_proj" if layer.kind == "lightning" else "o_gate"
+            members = [alone.self_attn.get_submodule(n) for n in ("q_proj", "k_proj", "v_proj", gate)]
+            shared = len({_fusion_key(m) for m in members}) == 1
+            want = ("qkvz_proj" if gate == "z_proj" else "qkvg_proj") if shared else "qkv_proj"
+            attn = layer.self_attn
+            assert attn.fused_name == want and (gate not in attn._modules) == shared
+            qkv = attn.get_submodule(want)
+            assert type(qkv) is type(members[0]) and sum(attn.fused_sizes) == qkv.out_features
             if kind is NVFP4Linear:
                 assert (getattr(qkv, "input_scale", None) is not None) == (acts == "fp4" and layer.kind == "lightning")
         vocab_ids = ids % fused.config.vocab_size
         assert torch.equal(_logits(fused, vocab_ids), _logits(plain, vocab_ids)), (path, acts)
+
+
+def _fusion_key(m: torch.nn.Module) -> tuple:
+    """What linears must share to be computed as one: their kind and format settings."""
+    if isinstance(m, GPTQLinear):
+        return ("gptq", m.bits, m.group_size)
+    if isinstance(m, NVFP4Linear):
+        scale = None if m.input_scale is None else float(m.input_scale)
+        return ("nvfp4", float(m.weight_scale_2), scale)
+    return ("linear", m.weight.dtype)
 
 
 def test_generate_command_with_a_prompts_file(fp32_model: Path, tmp_path: Path) -> None:
@@ -162,3 +178,4 @@ def test_generate_command_with_a_prompts_file(fp32_model: Path, tmp_path: Path) 
     empty.write_text("\n")
     bad = CliRunner().invoke(app, ["generate", str(fp32_model), "--prompts", str(empty), *common])
     assert bad.exit_code != 0 and "no prompt in the file" in bad.output
+

@@ -66,11 +66,12 @@ def test_recovered_smoothing_scales_are_the_exports(fp32_model: Path, smoothed_e
 def test_activations_only_layer_without_fp4_is_the_float_layer(fp32_model: Path, smoothed_export: Path) -> None:
     """In the smoothed basis the float weights make the export layer compute the float layer's function: with its
     FP4 activations off it matches the float layer to fp32 rounding, and with them on it does not."""
-    from salaquant.eval.w4a4_split import activations_only_weights
+    from salaquant.eval.w4a4_split import activations_only_weights, linear_members
 
     ref, q = _models(fp32_model, smoothed_export)
+    unfused = load(fp32_model, dtype="fp32", kernels=False, fuse=False)
     h = torch.randn(1, 64, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for lf, lq in zip(ref.model.layers, q.model.layers, strict=True):
+    for lf, lq, alone in zip(ref.model.layers, q.model.layers, unfused.model.layers, strict=True):
         rope = layer_rope(ref.config, lf.kind, 0, h.shape[1], h.device)
         y_f = lf(h, rope, None, "dense")
         weights = activations_only_weights(lf, lq, lf.kind, ref.config)
@@ -83,10 +84,12 @@ def test_activations_only_layer_without_fp4_is_the_float_layer(fp32_model: Path,
                 m.input_scale = None
             y_plain = lq(h, rope, None, "dense")
         assert all(isinstance(lq.get_submodule(n), NVFP4Linear) for n in weights)  # restored
-        # the export stores the linears it leaves unquantized in bf16: so does the float layer compared with
-        bf16 = copy.deepcopy(lf)
+        # the export stores the linears it leaves unquantized in bf16: so does the float layer compared with (the
+        # float model unfused, as the two models may fuse different groups)
+        quantized = {m for n in weights for m in linear_members(lq, n)}
+        bf16 = copy.deepcopy(alone)
         for name, m in bf16.named_modules():
-            if isinstance(m, torch.nn.Linear) and name not in weights:
+            if isinstance(m, torch.nn.Linear) and name not in quantized:
                 m.weight.data = m.weight.data.bfloat16().float()
         y_b = bf16(h, rope, None, "dense")
         assert (y_plain - y_b).norm() / (y_b - h).norm() < 1e-5

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..formats.modelopt_nvfp4.numerics import NVFP4Weight, quantize_activations
 from ..model.config import SalaConfig
-from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
+from ..model.layout import input_groups
 from ..runtime.linear import NVFP4Linear
 
 
@@ -52,15 +52,13 @@ def is_w4a4(layer: nn.Module) -> bool:
 
 def _weight(layer: nn.Module, name: str) -> torch.Tensor:
     """fp32 ``[out, in]`` weight of the linear ``name`` of a decoder layer (dequantized if NVFP4), also when the
-    runtime fused it into ``qkv_proj`` / ``gate_up_proj`` (its rows of the fused weight)."""
+    runtime fused it (its rows of the fused weight)."""
     parent_name, _, child = name.rpartition(".")
     parent = layer.get_submodule(parent_name)
     if child in parent._modules:
         return _module_weight(parent.get_submodule(child))
-    fused = FUSED_OF[name]
-    members = FUSED_PARAMETERS[fused]
-    rows = _module_weight(layer.get_submodule(fused)).split(parent.fused_sizes, 0)
-    return rows[members.index(name)]
+    rows = _module_weight(parent.get_submodule(parent.fused_name)).split(parent.fused_sizes, 0)
+    return rows[parent.fused_members.index(child)]
 
 
 def _module_weight(module: nn.Module) -> torch.Tensor:
@@ -115,8 +113,17 @@ def activations_only_weights(
     out: dict[str, torch.Tensor] = {}
     for name, module in export_layer.named_modules():
         if isinstance(module, NVFP4Linear):
-            out[name] = torch.cat([smoothed(m) for m in FUSED_PARAMETERS.get(name, (name,))], 0)
+            out[name] = torch.cat([smoothed(m) for m in linear_members(export_layer, name)], 0)
     return out
+
+
+def linear_members(layer: nn.Module, name: str) -> tuple[str, ...]:
+    """The linears a (fused or plain) linear ``name`` of a decoder layer computes, as layer-relative names."""
+    parent_name, _, child = name.rpartition(".")
+    parent = layer.get_submodule(parent_name)
+    if child != getattr(parent, "fused_name", None):
+        return (name,)
+    return tuple(f"{parent_name}.{m}" for m in parent.fused_members)
 
 
 def _set(layer: nn.Module, name: str, module: nn.Module) -> None:

@@ -17,7 +17,7 @@ from .cache import LightningLayerCache, SparseLayerCache
 from .config import SalaConfig
 from .gla import alibi_slopes, simple_gla
 from .kv_cache_dtype import stored
-from .layers import RMSNorm, apply_rope
+from .layers import RMSNorm, apply_rope, fused_outputs
 from .sparse_attention import SparseParams, compress_keys, extend_compressed, infllm_v2_attention
 from .static_cache import StaticLightningCache, StaticSparseCache, decode_attention
 
@@ -45,13 +45,10 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out.transpose(1, 2)
 
 
-def project_qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of ``x`` ``[B, T, *]``: from one fused ``qkv_proj`` where the runtime made one (its output split by
-    ``fused_sizes``, each part contiguous so that no cache keeps the whole product alive), else from the three
-    linears."""
-    if "qkv_proj" in attn._modules:
-        return tuple(p.contiguous() for p in attn.qkv_proj(x).split(attn.fused_sizes, dim=-1))  # type: ignore[return-value]
-    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+def project_qkv(attn: nn.Module, x: torch.Tensor, *extra: str) -> list[torch.Tensor]:
+    """q, k, v of ``x`` ``[B, T, *]`` and the outputs of the ``extra`` linears of the same input (fused or not:
+    ``fused_outputs``), each contiguous, so that no cache or later use keeps a whole fused product alive."""
+    return [p.contiguous() for p in fused_outputs(attn, x, ("q_proj", "k_proj", "v_proj", *extra))]
 
 
 class SparseAttention(nn.Module):
@@ -99,7 +96,7 @@ class SparseAttention(nn.Module):
         mode: str = "auto",
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = project_qkv(self, x)
+        q, k, v, *gate = project_qkv(self, x, *(("o_gate",) if self.use_gate else ()))
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
@@ -115,7 +112,7 @@ class SparseAttention(nn.Module):
             out = self._attend(q, k, v, cache, mode, scale)
         out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
         if self.use_gate:
-            out = out * torch.sigmoid(self.o_gate(x))
+            out = out * torch.sigmoid(gate[0])
         return self.o_proj(out)
 
     def _attend(
@@ -186,7 +183,7 @@ class LightningAttention(nn.Module):
         mode: str = "auto",
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = project_qkv(self, x)
+        q, k, v, *gate = project_qkv(self, x, *(("z_proj",) if self.use_gate else ()))
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
@@ -218,5 +215,5 @@ class LightningAttention(nn.Module):
         if self.use_out_norm:
             o = self.o_norm(o)
         if self.use_gate:
-            o = o * torch.sigmoid(self.z_proj(x))
+            o = o * torch.sigmoid(gate[0])
         return self.o_proj(o)

@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; gate and up from one fused ``gate_up_proj`` (output split by
-    ``fused_sizes``) where the runtime made one."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; gate and up from one fused ``gate_up_proj`` where the
+    runtime made one (``fused_outputs``)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -47,10 +47,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up_proj" in self._modules:
-            gate, up = self.gate_up_proj(x).split(self.fused_sizes, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_outputs(self, x, ("gate_proj", "up_proj"))
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fused_outputs(parent: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """The outputs on ``x`` of the linears ``names`` of ``parent``: where the runtime fused them
+    (``runtime.fuse`` sets ``fused_name``, ``fused_members`` and ``fused_sizes``), the one product split back into
+    its members' columns (views), each other linear on its own."""
+    fused = getattr(parent, "fused_name", None)
+    parts: dict[str, torch.Tensor] = {}
+    if fused is not None and any(n in parent.fused_members for n in names):
+        outs = parent._modules[fused](x).split(parent.fused_sizes, dim=-1)
+        parts = dict(zip(parent.fused_members, outs, strict=True))
+    return [parts[n] if n in parts else parent._modules[n](x) for n in names]
 
 
 def rope_cos_sin(

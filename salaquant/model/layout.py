@@ -156,6 +156,15 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
 }
 FUSED_OF: dict[str, str] = {m: fused for fused, members in FUSED_PARAMETERS.items() for m in members}
 """Member -> fused parameter (``self_attn.k_proj`` -> ``self_attn.qkv_proj``)."""
+DECODE_FUSED: dict[str, tuple[str, ...]] = {
+    "self_attn.qkvz_proj": (*FUSED_PARAMETERS["self_attn.qkv_proj"], "self_attn.z_proj"),
+    "self_attn.qkvg_proj": (*FUSED_PARAMETERS["self_attn.qkv_proj"], "self_attn.o_gate"),
+    **FUSED_PARAMETERS,
+}
+"""The linears the runtime runs as one, tried in this order (a parent module holds one fused linear at most): first
+q/k/v with the layer's output gate (``z_proj`` on the lightning layers, ``o_gate`` on the minicpm4 ones; all four
+read the layer's normed input), else the engines' groups. The exported files keep the engines' layout; only the
+loaded model differs."""
 
 _LAYER_LINEAR = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)")
 

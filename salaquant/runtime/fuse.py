@@ -1,14 +1,16 @@
-"""Fused projections, as the serving engines run them: q/k/v as one ``qkv_proj``, gate/up as one ``gate_up_proj``.
+"""Fused projections: q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``, as the serving engines run
+them; where a layer has an output gate, q/k/v with it as one ``qkvz_proj`` (lightning) or ``qkvg_proj`` (minicpm4).
 
-A decode step then runs one 4-bit matrix product where it ran three (or two), at the fused shapes the kernels are
-tuned for (4096 -> 6144 / 12288 and 4096 -> 32768 at SALA's size). Each fused linear is its members' output
-columns stacked in ``FUSED_PARAMETERS`` order, so its output splits back into theirs:
+A decode step then runs one 4-bit matrix product where it ran four (or two), at wide shapes the kernels run
+closer to the memory's bandwidth (4096 -> 8704 / 16384 and 4096 -> 32768 at SALA's size). Each fused linear is its
+members' output columns stacked in ``DECODE_FUSED`` order, so its output splits back into theirs:
 
 * bf16: the weights concatenated along the output rows;
 * GPTQ (v1 layout, ``qweight [in * bits / 32, out]``, ``scales [in / group, out]``): ``qweight`` and ``scales``
   concatenated along their output columns; members must share bits and group size;
 * NVFP4 (``weight [out, in / 2]``, ``weight_scale [out, in / 16]``): both concatenated along the output rows;
-  members must share ``weight_scale_2`` and ``input_scale`` (the export writes them shared).
+  members must share ``weight_scale_2`` and ``input_scale`` (the export writes them shared within the engines'
+  groups; an output gate with its own global scale stays apart).
 
 Members that differ in kind or in those settings stay unfused. The exported files are read unchanged.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.layout import FUSED_PARAMETERS
+from ..model.layout import DECODE_FUSED
 from .linear import GPTQLinear, NVFP4Linear
 
 
@@ -67,18 +69,21 @@ def fuse_linears(members: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_layer(layer: nn.Module) -> list[str]:
-    """Replace each fusable group of the decoder layer by its fused linear; returns the fused names made."""
+    """Replace each fusable group of the decoder layer by its fused linear; returns the fused names made. The
+    parent module records ``fused_name``, ``fused_members`` and ``fused_sizes`` (``model.layers.fused_outputs``
+    splits the product back by them)."""
     made = []
-    for fused_name, member_names in FUSED_PARAMETERS.items():
+    for fused_name, member_names in DECODE_FUSED.items():
         parent_name, _, child = fused_name.rpartition(".")
         parent = layer.get_submodule(parent_name)
-        names = [m.rpartition(".")[2] for m in member_names]
-        if not all(n in parent._modules for n in names):
+        names = tuple(m.rpartition(".")[2] for m in member_names)
+        if not all(n in parent._modules for n in names) or getattr(parent, "fused_name", None) is not None:
             continue
         fused = fuse_linears([parent.get_submodule(n) for n in names])
         if fused is None:
             continue
         parent.add_module(child, fused)
+        parent.fused_name, parent.fused_members = child, names
         parent.fused_sizes = tuple(_out_features(parent.get_submodule(n)) for n in names)
         for n in names:
             del parent._modules[n]
