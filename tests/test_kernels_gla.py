@@ -235,6 +235,46 @@ def test_recurrent_matches_naive(t: int, with_state: bool, poison: None) -> None
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("t", [1, 3])
+def test_recurrent_updates_the_state_in_place(t: int, poison: None) -> None:
+    """``state_out=initial_state``: the buffer ends as the reference's final state, the output is unchanged; the
+    compiler's custom op (``kernels.ops.gla_recurrent_op``) does the same and passes PyTorch's own op checks
+    (declared mutation, fake tensor)."""
+    from salaquant.kernels.ops import gla_recurrent_op
+
+    q, k, v, s0 = _inputs(t, dk=32, dv=32)
+    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0, output_final_state=True)
+    assert s_ref is not None
+    buf = s0.clone()
+    o, s = _tk().recurrent_fwd(q, k, v, G_GAMMA, 0.2, buf, state_out=buf)
+    assert s is buf
+    _close(o, o_ref)
+    _close(buf, s_ref)
+    buf = s0.clone()
+    _close(gla_recurrent_op(q, k, v, G_GAMMA, 0.2, buf), o_ref)
+    _close(buf, s_ref)
+    torch.library.opcheck(gla_recurrent_op, (q, k, v, G_GAMMA, 0.2, s0.clone()))
+    with pytest.raises(ValueError, match="state_out must be contiguous fp32"):
+        _tk().recurrent_fwd(q, k, v, G_GAMMA, 0.2, s0, state_out=s0.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("t", [2, 70])
+def test_simple_gla_state_out(backend: str, t: int) -> None:
+    """``simple_gla(..., state_out=buf)`` returns ``buf`` holding the final state, from ``initial_state=buf`` (in
+    place), from another initial state, or from none, with the output of the call without it."""
+    q, k, v, s0 = _inputs(t)
+    for init in (s0, None, "same"):
+        buf = s0.clone() if init == "same" else torch.full_like(s0, float("nan"))
+        start = buf if init == "same" else init
+        o_ref, s_ref = ref.simple_gla(q, k, v, G_GAMMA, 0.25, s0 if init == "same" else init, True, backend=backend)
+        o, s = ref.simple_gla(q, k, v, G_GAMMA, 0.25, start, backend=backend, state_out=buf)  # type: ignore[arg-type]
+        assert s is buf and s_ref is not None
+        _close(o, o_ref)
+        _close(buf, s_ref)
+
+
+@pytest.mark.interpreter
 def test_closed_form_geometric_series() -> None:
     # q = k = e_0, v = e_0: S_t[0, 0] = exp(g (t+1)) s0 + sum_{j<=t} exp(g (t-j)), o_t[0] = scale * S_t[0, 0]
     t, dk, dv, s00 = 130, 16, 16, 2.0

@@ -1,11 +1,12 @@
 """The Triton matrix products and decode attention as ``torch.library`` custom ops, for code that ``torch.compile``
 traces.
 
-Inside a compiled function (``torch.compiler.is_compiling()``) ``w4a16_matmul``, ``nvfp4_matmul`` and
-``masked_decode_attention`` call these ops instead of their Python launchers: the compiler then sees one opaque call
-with a known output shape (the ``register_fake`` functions) and fuses the element-wise work around it, while the op
-itself runs the same Triton kernels as in eager code (the launchers pick the path by the number of rows, as they do
-there).
+Inside a compiled function (``torch.compiler.is_compiling()``) ``w4a16_matmul``, ``nvfp4_matmul``,
+``masked_decode_attention`` and the static cache's GLA step call these ops instead of their Python launchers: the
+compiler then sees one opaque call with a known output shape (the ``register_fake`` functions) and fuses the
+element-wise work around it, while the op itself runs the same Triton kernels as in eager code (the launchers pick
+the path by the number of rows, as they do there). The GLA op declares the state it updates in place, so that the
+compiled step writes the cache's buffer directly instead of a new state and a copy.
 """
 
 from __future__ import annotations
@@ -51,3 +52,17 @@ def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: fl
 @decode_attention_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("salaquant::gla_recurrent", mutates_args=("state",))
+def gla_recurrent_op(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, scale: float, state: Tensor) -> Tensor:
+    """Short-input Simple GLA (``gla.triton_kernels.recurrent_fwd``) from ``state``, which receives the final state
+    in place; returns ``o [B, T, H, V]`` fp32."""
+    from .gla.triton_kernels import recurrent_fwd
+
+    return recurrent_fwd(q, k, v, g_gamma, scale, state, state_out=state)[0]
+
+
+@gla_recurrent_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, scale: float, state: Tensor) -> Tensor:
+    return q.new_empty(*q.shape[:3], v.shape[-1], dtype=torch.float32)

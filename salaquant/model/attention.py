@@ -197,8 +197,9 @@ class LightningAttention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         state = cache.state if cache is not None else None
+        static = isinstance(cache, StaticLightningCache)
         # computed in fp32 from the activations' values (both backends of simple_gla upcast 16-bit inputs as
-        # they read them, without fp32 copies)
+        # they read them, without fp32 copies); a static cache's state buffer is updated in place
         o, final = self.gla_fn(
             q,
             k,
@@ -208,8 +209,9 @@ class LightningAttention(nn.Module):
             initial_state=state,
             output_final_state=cache is not None,
             out_dtype=x.dtype,
+            state_out=state if static else None,
         )
-        if cache is not None:
+        if cache is not None and not static:
             cache.state = final
         o = o.to(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
         if self.use_out_norm:

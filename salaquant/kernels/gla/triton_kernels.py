@@ -497,14 +497,26 @@ def recurrent_fwd(
     scale: float,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    state_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Fused recurrent form for short inputs (decode). Returns ``o [B, T, H, V]`` fp32 and the final state (``None``
-    unless asked)."""
+    unless asked).
+
+    ``state_out`` (fp32, contiguous ``[B, H, K, V]``) receives the final state, which is then returned; it may be
+    ``initial_state`` itself, updated in place (each program reads its state tile before it writes the same tile).
+    """
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     o = torch.empty(b, t, h, dv, dtype=torch.float32, device=q.device)
-    ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
+    ht = None
+    if state_out is not None:
+        if state_out.shape != (b, h, dk, dv) or state_out.dtype != torch.float32 or not state_out.is_contiguous():
+            raise ValueError(f"state_out must be contiguous fp32 {(b, h, dk, dv)}, got {state_out.dtype} "
+                             f"{tuple(state_out.shape)} strides {state_out.stride()}")  # fmt: skip
+        ht = state_out
+    elif output_final_state:
+        ht = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device)
     bk = max(16, next_power_of_2(dk))
     bv = _recurrent_block_v(b * h, dv)
     grid = (cdiv(dv, bv), b * h)
