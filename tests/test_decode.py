@@ -179,3 +179,36 @@ def test_generate_command_with_a_prompts_file(fp32_model: Path, tmp_path: Path) 
     bad = CliRunner().invoke(app, ["generate", str(fp32_model), "--prompts", str(empty), *common])
     assert bad.exit_code != 0 and "no prompt in the file" in bad.output
 
+
+@pytest.mark.parametrize("n", [1, 7, 130])
+def test_top_blocks_is_a_stable_descending_sort(n: int) -> None:
+    """The rank choice of the static selection against ``torch.sort(stable=True)``'s first k, on scores full of
+    ties, forced (+inf) and unreached (-inf) blocks."""
+    from salaquant.model.static_cache import top_blocks
+
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randint(0, 4, (3, 2, n), generator=g).float()
+    scores[torch.rand(scores.shape, generator=g) < 0.2] = float("inf")
+    scores[torch.rand(scores.shape, generator=g) < 0.2] = float("-inf")
+    for k in (1, 5, n, n + 3):
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        want = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+        assert torch.equal(top_blocks(scores, k), want), k
+
+
+def test_selection_as_the_compiler_traces_it_equals_eager() -> None:
+    """Inside ``torch.compile`` the compressed-key scores are a broadcast product (``_window_logits``): traced
+    (``aot_eager``, so on any CPU) the selection is the eager one, rows before and after their first window."""
+    from salaquant.model.sparse_attention import SparseParams
+    from salaquant.model.static_cache import StaticSparseCache, _selected_keys
+
+    params = SparseParams(kernel_size=16, kernel_stride=8, init_blocks=1, block_size=32, window_size=32, topk=3)
+    g = torch.Generator().manual_seed(4)
+    b, cap, hkv, d = 3, 320, 2, 32
+    k, v = (torch.randn(b, cap, hkv, d, generator=g) for _ in range(2))
+    k1, k2 = torch.randn(b, 39, hkv, d, generator=g), torch.randn(b, 19, hkv, d, generator=g)
+    cache = StaticSparseCache(k, v, k1, k2, torch.tensor([300, 20, 150]))
+    q = torch.randn(b, 1, hkv * 4, d, generator=g)
+    eager = _selected_keys(q, cache, cache.lengths, params)
+    traced = torch.compile(_selected_keys, backend="aot_eager", fullgraph=True)(q, cache, cache.lengths, params)
+    assert eager.any() and torch.equal(traced, eager)

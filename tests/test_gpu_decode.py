@@ -1,7 +1,8 @@
 """The CUDA-graph decode step on a GPU (bf16, GPTQ W4A16 and NVFP4 weight-only and W4A4, with the Triton kernels;
 rows crossing dense_len, a batch that is not a bucket size): replaying the captured graph of the plain step gives
 the tokens of the same step run eagerly, a second call reuses the graph; the compiled step (``compile=True``) gives the
-eager step's logits from the same mid-generation state, and its graph replays exactly what it computes."""
+eager step's logits from the same mid-generation state (its next token the eager one's unless the two are a near-tie
+within the logits' difference), and its graph replays exactly what it computes."""
 
 from __future__ import annotations
 
@@ -119,8 +120,10 @@ def test_compiled_step_matches_eager(case: str, fp32_model: Path, shipped_rtn_ex
     if case.endswith("w4a4"):  # a rounding-level change may swap the tiny model's two best tokens there
         top5 = eager[:3].topk(5, dim=-1).indices
         assert (top5 == compiled[:3].argmax(-1)[:, None]).any(-1).all(), case
-    else:
-        assert torch.equal(compiled[:3].argmax(-1), eager[:3].argmax(-1)), case
+    else:  # the same next token, or one whose eager logit ties the best within the two steps' difference
+        picked = eager[:3].gather(-1, compiled[:3].argmax(-1, keepdim=True))[:, 0]
+        margin = eager[:3].amax(-1) - picked
+        assert (margin <= 2 * (compiled[:3] - eager[:3]).abs().amax(-1)).all(), (case, margin.tolist(), float(rel))
     for a, b in zip(after_compiled, after_eager, strict=True):  # the same state written
         if a.dtype == torch.long:
             assert torch.equal(a, b)

@@ -167,12 +167,12 @@ def _selected_keys(q: Tensor, cache: StaticSparseCache, pos: Tensor, p: SparsePa
     end1 = p.kernel_stride * torch.arange(cache.k1.shape[1], device=dev) + p.kernel_size - 1
     end2 = p.kernel_stride2 * torch.arange(cache.k2.shape[1], device=dev) + p.kernel_size2 - 1
     vis2 = end2[None, :] <= pos[:, None]  # [B, n2]
-    logits2 = torch.einsum("bhgd,bnhd->bhgn", qg, cache.k2.float()) * scale
+    logits2 = _window_logits(qg, cache.k2) * scale
     lse = torch.logsumexp(logits2.masked_fill(~vis2[:, None, None], -math.inf), dim=-1, keepdim=True)
     has_k2 = vis2.any(dim=-1)  # [B]
     lse = torch.where(has_k2[:, None, None, None], lse, 0.0)
     vis1 = (end1[None, :] <= pos[:, None]) & has_k2[:, None]  # [B, n1]
-    logits1 = torch.einsum("bhgd,bnhd->bhgn", qg, cache.k1.float()) * scale
+    logits1 = _window_logits(qg, cache.k1) * scale
     scores = torch.exp(logits1 - lse).masked_fill(~vis1[:, None, None], 0.0).sum(dim=2)  # [B, Hkv, n1]
 
     r = p.pool_ratio
@@ -186,12 +186,29 @@ def _selected_keys(q: Tensor, cache: StaticSparseCache, pos: Tensor, p: SparsePa
     qb = (pos // p.block_size)[:, None, None]  # [B, 1, 1]
     pooled = pooled.masked_fill(forced_blocks(blocks, qb, p), math.inf)
     pooled = pooled.masked_fill(blocks > qb, -math.inf)  # blocks the row has not reached
-    k = min(p.total_topk, n_blocks)
-    top = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., :k]
-    top = torch.where(top > qb, n_blocks, top)  # one spare slot swallows them
-    chosen = torch.zeros(b, hkv, n_blocks + 1, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+    chosen = top_blocks(pooled, p.total_topk) & (blocks <= qb)
     key_block = torch.arange(cap, device=dev) // p.block_size
     return chosen[..., key_block]
+
+
+def top_blocks(scores: Tensor, k: int) -> Tensor:
+    """Whether each of the last dimension's entries is among its ``k`` first in a stable descending sort (ties
+    go to the lower index), as a rank per entry: how many entries are ahead of it. The same choice as sorting, in
+    one reduction the compiler fuses, where a sort of a row's few hundred blocks ran in one slow program."""
+    idx = torch.arange(scores.shape[-1], device=scores.device)
+    above = scores[..., None, :] > scores[..., :, None]  # [..., entry, other]
+    tied_before = (scores[..., None, :] == scores[..., :, None]) & (idx[None, :] < idx[:, None])
+    return (above | tied_before).sum(dim=-1) < k
+
+
+def _window_logits(qg: Tensor, windows: Tensor) -> Tensor:
+    """``[B, Hkv, G, n]`` fp32 products of the grouped queries ``qg [B, Hkv, G, D]`` with the compressed windows
+    ``[B, n, Hkv, D]``. Inside ``torch.compile`` as a broadcast product summed over ``D``, which the compiler makes
+    one reduction fused with the fp32 conversion (a matrix product would be a library call on a [G x n] problem per
+    KV head); eagerly as ``einsum``, which does not hold the ``[B, Hkv, G, n, D]`` product in memory."""
+    if torch.compiler.is_compiling():
+        return (qg[:, :, :, None, :] * windows.permute(0, 2, 1, 3)[:, :, None].float()).sum(dim=-1)
+    return torch.einsum("bhgd,bnhd->bhgn", qg, windows.float())
 
 
 def decode_attention(
