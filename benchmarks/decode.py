@@ -156,6 +156,10 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
         low = e.key.lower()
         groups[next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")] += t
     per = 1e-3 / steps  # profiler microseconds over all steps -> ms per step
+    gpu_events = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    last = gpu_events[-(len(gpu_events) // steps) :]  # the last step's kernels, in launch order
     gpu = sum(groups.values()) * per
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     return {
@@ -165,6 +169,7 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
         "launches_per_step": round(launches / steps, 1),
         "groups_ms_per_step": {k: round(v * per, 3) for k, v in groups.items()},
         "top_kernels_ms_per_step": {k[:90]: round(v * per, 4) for k, v in top},
+        "last_step_kernels_us": [[e.name[:80], round(float(e.device_time_total), 2)] for e in last],
     }
 
 
