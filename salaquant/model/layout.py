@@ -156,7 +156,7 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
 }
 FUSED_OF: dict[str, str] = {m: fused for fused, members in FUSED_PARAMETERS.items() for m in members}
 """Member -> fused parameter (``self_attn.k_proj`` -> ``self_attn.qkv_proj``)."""
-DECODE_FUSED: dict[str, tuple[str, ...]] = {
+RUNTIME_FUSED: dict[str, tuple[str, ...]] = {
     "self_attn.qkvz_proj": (*FUSED_PARAMETERS["self_attn.qkv_proj"], "self_attn.z_proj"),
     "self_attn.qkvg_proj": (*FUSED_PARAMETERS["self_attn.qkv_proj"], "self_attn.o_gate"),
     **FUSED_PARAMETERS,

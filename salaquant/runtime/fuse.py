@@ -3,7 +3,7 @@ them; where a layer has an output gate, q/k/v with it as one ``qkvz_proj`` (ligh
 
 A decode step then runs one 4-bit matrix product where it ran four (or two), at wide shapes the kernels run
 closer to the memory's bandwidth (4096 -> 8704 / 16384 and 4096 -> 32768 at SALA's size). Each fused linear is its
-members' output columns stacked in ``DECODE_FUSED`` order, so its output splits back into theirs:
+members' output columns stacked in ``RUNTIME_FUSED`` order, so its output splits back into theirs:
 
 * bf16: the weights concatenated along the output rows;
 * GPTQ (v1 layout, ``qweight [in * bits / 32, out]``, ``scales [in / group, out]``): ``qweight`` and ``scales``
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.layout import DECODE_FUSED
+from ..model.layout import RUNTIME_FUSED
 from .linear import GPTQLinear, NVFP4Linear
 
 
@@ -73,7 +73,7 @@ def fuse_layer(layer: nn.Module) -> list[str]:
     parent module records ``fused_name``, ``fused_members`` and ``fused_sizes`` (``model.layers.fused_outputs``
     splits the product back by them)."""
     made = []
-    for fused_name, member_names in DECODE_FUSED.items():
+    for fused_name, member_names in RUNTIME_FUSED.items():
         parent_name, _, child = fused_name.rpartition(".")
         parent = layer.get_submodule(parent_name)
         names = tuple(m.rpartition(".")[2] for m in member_names)
