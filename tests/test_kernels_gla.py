@@ -260,18 +260,18 @@ def test_recurrent_updates_the_state_in_place(t: int, poison: None) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("t", [2, 70])
-def test_simple_gla_state_out(backend: str, t: int) -> None:
-    """``simple_gla(..., state_out=buf)`` returns ``buf`` holding the final state, from ``initial_state=buf`` (in
-    place), from another initial state, or from none, with the output of the call without it."""
+def test_simple_gla_in_place(backend: str, t: int) -> None:
+    """``simple_gla(..., in_place=True)`` returns ``initial_state`` itself holding the final state, with the output
+    of the call that returns a new state; without an initial state it refuses."""
     q, k, v, s0 = _inputs(t)
-    for init in (s0, None, "same"):
-        buf = s0.clone() if init == "same" else torch.full_like(s0, float("nan"))
-        start = buf if init == "same" else init
-        o_ref, s_ref = ref.simple_gla(q, k, v, G_GAMMA, 0.25, s0 if init == "same" else init, True, backend=backend)
-        o, s = ref.simple_gla(q, k, v, G_GAMMA, 0.25, start, backend=backend, state_out=buf)  # type: ignore[arg-type]
-        assert s is buf and s_ref is not None
-        _close(o, o_ref)
-        _close(buf, s_ref)
+    o_ref, s_ref = ref.simple_gla(q, k, v, G_GAMMA, 0.25, s0, True, backend=backend)
+    buf = s0.clone()
+    o, s = ref.simple_gla(q, k, v, G_GAMMA, 0.25, buf, backend=backend, in_place=True)
+    assert s is buf and s_ref is not None
+    _close(o, o_ref)
+    _close(buf, s_ref)
+    with pytest.raises(ValueError, match="in_place updates initial_state"):
+        ref.simple_gla(q, k, v, G_GAMMA, 0.25, backend=backend, in_place=True)
 
 
 @pytest.mark.interpreter

@@ -209,7 +209,7 @@ class LightningAttention(nn.Module):
             initial_state=state,
             output_final_state=cache is not None,
             out_dtype=x.dtype,
-            state_out=state if static else None,
+            in_place=static,
         )
         if cache is not None and not static:
             cache.state = final

@@ -196,53 +196,45 @@ def simple_gla(
     *,
     out_dtype: torch.dtype = torch.float32,
     backend: str = "reference",
-    state_out: Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise, in fp32 from inputs of any
     dtype. The chunked form's output is cast to ``out_dtype`` (the kernels store it in that dtype directly).
 
-    ``state_out`` (fp32 ``[B, H, K, V]``, a static cache's buffer) receives the final state and is returned as it;
-    it may be ``initial_state`` itself. The Triton decode kernel then writes it in place, also inside a compiled
-    function (``kernels.ops.gla_recurrent_op``), where without it the recurrent form is traced from this module's
-    code.
+    ``in_place``: ``initial_state`` (a static cache's fp32 buffer) receives the final state, which is returned as
+    it. The Triton decode kernel writes it directly, also inside a compiled function (``kernels.ops.gla_recurrent_op``),
+    where otherwise the recurrent form is traced from this module's code; every other path copies the result in.
 
     ``backend`` (``salaquant.kernels.backend.use_triton``): ``"reference"`` runs this module's code, ``"triton"``
     the Triton kernels, ``"auto"`` the kernels on CUDA tensors and the reference elsewhere. The kernels compute
     16-bit inputs in fp32 as they load them (``upcast``), so both give the same numbers up to the order of fp32
     operations and TF32 dots."""
     short = q.shape[1] < RECURRENT_MAX_LEN
-    if state_out is not None:
-        output_final_state = True
-    if use_triton(backend, q, k, v) and short and state_out is not None:
-        _check_inputs(q, k, v, g_gamma, initial_state)
+    if in_place:
         if initial_state is None:
-            state_out.zero_()
-        elif initial_state is not state_out:
-            state_out.copy_(initial_state)
+            raise ValueError("in_place updates initial_state, which was not given")
+        if not (use_triton(backend, q, k, v) and short):
+            o, final = simple_gla(q, k, v, g_gamma, scale, initial_state, True, out_dtype=out_dtype, backend=backend)
+            assert final is not None
+            return o, initial_state.copy_(final)
+        _check_inputs(q, k, v, g_gamma, initial_state)
         if torch.compiler.is_compiling():
             from ..kernels.ops import gla_recurrent_op
 
-            return gla_recurrent_op(q, k, v, g_gamma, scale, state_out), state_out
+            return gla_recurrent_op(q, k, v, g_gamma, scale, initial_state), initial_state
         from ..kernels import gla
 
-        return gla.recurrent_fwd(q, k, v, g_gamma, scale, state_out, state_out=state_out)
+        return gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, state_out=initial_state)
     if use_triton(backend, q, k, v) and not (torch.compiler.is_compiling() and short):
         _check_inputs(q, k, v, g_gamma, initial_state)
         from ..kernels import gla
 
         if short:
-            o, final = gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, output_final_state)
-        else:
-            o, final = gla.chunk_fwd(
-                q, k, v, g_gamma, scale, initial_state, output_final_state, out_dtype=out_dtype, upcast=True
-            )
-    elif short:
-        o, final = recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
-    else:
-        o, final = chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
-        o = o.to(out_dtype)
-    if state_out is not None:
-        assert final is not None
-        state_out.copy_(final)
-        final = state_out
-    return o, final
+            return gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, output_final_state)
+        return gla.chunk_fwd(
+            q, k, v, g_gamma, scale, initial_state, output_final_state, out_dtype=out_dtype, upcast=True
+        )
+    if short:
+        return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    o, final = chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
+    return o.to(out_dtype), final
