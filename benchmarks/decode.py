@@ -5,7 +5,7 @@ exports it with ``salaquant gptq --method rtn`` and ``salaquant nvfp4 --mse-iter
 sample (speed depends on the format, not on how the weights were chosen), then for each format, with
 ``salaquant.runtime.load``:
 
-* **batch 1** after a ``--context``-token prompt, ``--new-tokens`` greedy tokens three ways, in the same run:
+* **batch 1** (``--context 0`` skips it) after a ``--context``-token prompt, ``--new-tokens`` greedy tokens, in one run:
   ``before`` (the model's own ``generate``: unfused projections, a growing cache, eager), ``eager`` (fused
   projections and the static cache, eager), ``graph`` (the same step replayed as a CUDA graph) and ``compiled``
   (the step compiled by ``torch.compile``, then captured); each graph is captured by a first call and timed on a
@@ -176,23 +176,25 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
 def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     dev = args.device
     row: dict[str, Any] = {}
-    prompt = _ids(args.context, vocab, 0)
-    plain = load(path, device=dev, fuse=False)
-    row["before_tokens_per_s"] = round(before_rate(plain, prompt, min(args.new_tokens, 32), dev), 2)
-    del plain
-    gc.collect()
+    if args.context > 0:
+        prompt = _ids(args.context, vocab, 0)
+        plain = load(path, device=dev, fuse=False)
+        row["before_tokens_per_s"] = round(before_rate(plain, prompt, min(args.new_tokens, 32), dev), 2)
+        del plain
+        gc.collect()
     model = load(path, device=dev)
-    row["eager"] = decoder_rates(Decoder(model, graphs=False), [prompt], args.new_tokens)
-    row["graph"] = decoder_rates(Decoder(model), [prompt], args.new_tokens)
     dec = Decoder(model, compile=True)
-    row["compiled"] = decoder_rates(dec, [prompt], args.new_tokens)
-    if args.profile:
-        row["profile"] = profile_step(Decoder(model), prompt, dev)
-        row["profile_compiled"] = profile_step(dec, prompt, dev)
-    from torch._dynamo.utils import counters
+    if args.context > 0:
+        row["eager"] = decoder_rates(Decoder(model, graphs=False), [prompt], args.new_tokens)
+        row["graph"] = decoder_rates(Decoder(model), [prompt], args.new_tokens)
+        row["compiled"] = decoder_rates(dec, [prompt], args.new_tokens)
+        if args.profile:
+            row["profile"] = profile_step(Decoder(model), prompt, dev)
+            row["profile_compiled"] = profile_step(dec, prompt, dev)
+        from torch._dynamo.utils import counters
 
-    row["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
-    print(f"  batch 1: {row}", flush=True)
+        row["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
+        print(f"  batch 1: {row}", flush=True)
     row["batches"] = {}
     for b in args.batches:
         prompts = [_ids(args.batch_context, vocab, 10 + i) for i in range(b)]
@@ -213,9 +215,44 @@ def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     return row
 
 
+def batch1_table(rows: dict[str, Any], args: argparse.Namespace) -> Table:
+    base = rows["bf16"]["compiled"]["decode_tokens_per_s"] if "bf16" in rows else None
+    t = Table(title=f"decode at batch 1 after {args.context} tokens, {args.new_tokens} new tokens (tokens/s)")
+    cols = ("export", "before", "eager", "graph", "compiled", "vs eager", "vs bf16", "compile + capture", "prefill")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "export" else "right")
+    for name, r in rows.items():
+        c = r["compiled"]["decode_tokens_per_s"]
+        t.add_row(
+            name,
+            f"{r['before_tokens_per_s']:.1f}",
+            f"{r['eager']['decode_tokens_per_s']:.1f}",
+            f"{r['graph']['decode_tokens_per_s']:.1f}",
+            f"{c:.1f}",
+            f"{c / r['eager']['decode_tokens_per_s']:.2f}x",
+            f"{c / base:.2f}x" if base else "-",
+            f"{r['compiled']['capture_s']:.1f} s",
+            f"{r['compiled']['prefill_s']:.2f} s",
+        )
+    return t
+
+
+def batches_table(rows: dict[str, Any], args: argparse.Namespace) -> Table:
+    t = Table(title=f"aggregate decode tokens/s, {args.batch_context}-token prompts; prefill seconds")
+    prefills = [f"prefill {args.long}", "prefill 16 x 4096"] if args.long > 0 else []
+    for col in ("export", *[f"batch {b}" for b in args.batches], *prefills):
+        t.add_column(col, justify="left" if col == "export" else "right")
+    for name, r in rows.items():
+        cells = [f"{r['batches'][b]['decode_tokens_per_s']:.0f}" for b in args.batches]
+        if prefills:
+            cells += [f"{r['prefill_long_s']:.2f}", f"{r['prefill_16_s']:.2f}"]
+        t.add_row(name, *cells)
+    return t
+
+
 def main() -> None:
     ap = shape_parser(__doc__)
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=8192, help="Batch 1's prompt length (0: no batch-1 run).")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])
     ap.add_argument("--batch-context", type=int, default=2048)
@@ -246,33 +283,10 @@ def main() -> None:
         rows[name] = measure(paths[name], args, vocab)
         print(f"{name}: {rows[name]}", flush=True)
         write_results(args.out, "decode.json", result)  # what is done so far, should a later format fail
-    base = rows["bf16"]["compiled"]["decode_tokens_per_s"] if "bf16" in rows else None
-    t = Table(title=f"decode at batch 1 after {args.context} tokens, {args.new_tokens} new tokens (tokens/s)")
-    cols = ("export", "before", "eager", "graph", "compiled", "vs eager", "vs bf16", "compile + capture", "prefill")
-    for col in cols:
-        t.add_column(col, justify="left" if col == "export" else "right")
-    for name, r in rows.items():
-        c = r["compiled"]["decode_tokens_per_s"]
-        t.add_row(
-            name,
-            f"{r['before_tokens_per_s']:.1f}",
-            f"{r['eager']['decode_tokens_per_s']:.1f}",
-            f"{r['graph']['decode_tokens_per_s']:.1f}",
-            f"{c:.1f}",
-            f"{c / r['eager']['decode_tokens_per_s']:.2f}x",
-            f"{c / base:.2f}x" if base else "-",
-            f"{r['compiled']['capture_s']:.1f} s",
-            f"{r['compiled']['prefill_s']:.2f} s",
-        )
-    Console().print(t)
-    t = Table(title=f"aggregate decode tokens/s, {args.batch_context}-token prompts; prefill seconds")
-    for col in ("export", *[f"batch {b}" for b in args.batches], f"prefill {args.long}", "prefill 16 x 4096"):
-        t.add_column(col, justify="left" if col == "export" else "right")
-    for name, r in rows.items():
-        cells = [f"{r['batches'][b]['decode_tokens_per_s']:.0f}" for b in args.batches]
-        prefill = [f"{r[k]:.2f}" if k in r else "-" for k in ("prefill_long_s", "prefill_16_s")]
-        t.add_row(name, *cells, *prefill)
-    Console().print(t)
+    if args.context > 0:
+        Console().print(batch1_table(rows, args))
+    if args.batches or args.long > 0:
+        Console().print(batches_table(rows, args))
     if not args.keep:
         shutil.rmtree(args.scratch, ignore_errors=True)
 

@@ -27,3 +27,16 @@ def test_decode_benchmark_smoke(tmp_path: Path) -> None:
         assert row["batches"]["3"]["decode_tokens_per_s"] > 0
         assert row["profile"]["wall_ms_per_step"] > 0
     assert not (tmp_path / "scratch").exists()  # the checkpoints are removed
+
+
+def test_decode_benchmark_batches_only(tmp_path: Path) -> None:
+    """``--context 0 --long 0``: the batches alone, without a batch-1 run or prefills (and their empty tables)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--out", str(tmp_path / "out")]
+    cmd += ["--preset", "tiny", "--context", "0", "--long", "0", "--new-tokens", "4", "--batches", "2"]
+    cmd += ["--batch-context", "24", "--formats", "GPTQ W4A16", "--device", "cpu", "--scratch", str(tmp_path / "s")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "out" / "decode.json").read_text())["rows"]["GPTQ W4A16"]
+    assert set(row) == {"batches"}
+    assert row["batches"]["2"]["decode_tokens_per_s"] > 0
+    assert "batch 1" not in proc.stdout and "batch 2" in proc.stdout
