@@ -173,27 +173,36 @@ def profile_step(dec: Decoder, prompt: torch.Tensor, device: str, steps: int = 8
     }
 
 
+def batch1(model: Any, dec: Decoder, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """Batch 1 after ``prompt``: eager, graph and compiled (``dec``) rates, the profiles with ``--profile``, and the
+    graph breaks seen so far."""
+    from torch._dynamo.utils import counters
+
+    row: dict[str, Any] = {
+        "eager": decoder_rates(Decoder(model, graphs=False), [prompt], args.new_tokens),
+        "graph": decoder_rates(Decoder(model), [prompt], args.new_tokens),
+        "compiled": decoder_rates(dec, [prompt], args.new_tokens),
+    }
+    if args.profile:
+        row["profile"] = profile_step(Decoder(model), prompt, args.device)
+        row["profile_compiled"] = profile_step(dec, prompt, args.device)
+    row["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
+    return row
+
+
 def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     dev = args.device
     row: dict[str, Any] = {}
-    if args.context > 0:
-        prompt = _ids(args.context, vocab, 0)
+    prompt = _ids(args.context, vocab, 0) if args.context > 0 else None
+    if prompt is not None:  # the model's own generate first, so that the two models are never loaded together
         plain = load(path, device=dev, fuse=False)
         row["before_tokens_per_s"] = round(before_rate(plain, prompt, min(args.new_tokens, 32), dev), 2)
         del plain
         gc.collect()
     model = load(path, device=dev)
     dec = Decoder(model, compile=True)
-    if args.context > 0:
-        row["eager"] = decoder_rates(Decoder(model, graphs=False), [prompt], args.new_tokens)
-        row["graph"] = decoder_rates(Decoder(model), [prompt], args.new_tokens)
-        row["compiled"] = decoder_rates(dec, [prompt], args.new_tokens)
-        if args.profile:
-            row["profile"] = profile_step(Decoder(model), prompt, dev)
-            row["profile_compiled"] = profile_step(dec, prompt, dev)
-        from torch._dynamo.utils import counters
-
-        row["graph_breaks"] = {str(k): v for k, v in counters["graph_break"].items()}
+    if prompt is not None:
+        row |= batch1(model, dec, prompt, args)
         print(f"  batch 1: {row}", flush=True)
     row["batches"] = {}
     for b in args.batches:
