@@ -18,6 +18,12 @@ from .outputs import work_dir_for
 from .work_folder import guarded_run
 from .workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
 
+# What the statistics folder holds: its report (what it holds, from which run), and from the work folder the
+# per-layer statistics and the log.
+STATISTICS_NAME = "calibration.json"
+LAYERS_DIR = "layers"
+LOG_NAME = "log.txt"
+
 
 def run_calibrate(
     model: Path,
@@ -92,9 +98,9 @@ def run_calibrate(
         }
         tmp = staging_folder(output)
         try:
-            shutil.copytree(work / "layers", tmp / "layers")
-            shutil.copy(work / "log.txt", tmp / "log.txt")
-            (tmp / "calibration.json").write_text(json.dumps(report, indent=2, default=str))
+            shutil.copytree(work / LAYERS_DIR, tmp / LAYERS_DIR)
+            shutil.copy(work / LOG_NAME, tmp / LOG_NAME)
+            (tmp / STATISTICS_NAME).write_text(json.dumps(report, indent=2, default=str))
             replace_folder(tmp, output)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -39,7 +39,9 @@ Field = Annotated[str | None, typer.Option(help="Record field holding the text."
 ChunkTokens = Annotated[int, typer.Option(help="Tokens per chunk for long samples.")]
 Device = Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")]
 Resume = Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")]
-Overwrite = Annotated[bool, typer.Option(help="Replace an existing non-empty output folder.")]
+Overwrite = Annotated[
+    bool, typer.Option(help="Replace an output folder salaquant wrote (one holding other files is never replaced).")
+]
 ShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")]
 SmoothAlpha = Annotated[float, typer.Option(help="SmoothQuant migration strength.")]
 NoSmooth = Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")]
@@ -80,8 +82,10 @@ def tiny(
 ) -> None:
     """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
     from .model.tiny import preset_config, write_random_checkpoint
+    from .outputs import check_replace
 
     try:
+        check_replace(out, overwrite, flag="")
         cfg = preset_config(preset)
         path = write_random_checkpoint(
             out,
@@ -586,9 +590,13 @@ def eval_command(
         str, typer.Option(help="The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3.")
     ] = "bf16",
     layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
-    report: Annotated[Path | None, typer.Option(help="Folder for eval.json / eval.png (default: the checkpoint).")] = (
-        None
-    ),
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write eval.json / eval.png to this folder: a new or empty one, one of earlier reports, or the "
+            "evaluated export (default: none, the report is only printed)."
+        ),
+    ] = None,
     device: Device = "auto",
     backend: Annotated[str, typer.Option(help="Quantized linears: auto (Triton on CUDA), triton or reference.")] = (
         "auto"
@@ -706,7 +714,10 @@ def demo(
     model: Annotated[Path | None, typer.Option(help="A bf16 SALA checkpoint (default: the shipped sala-tiny).")] = None,
     calib: Annotated[Path | None, typer.Option(help="Calibration JSONL (default: the shipped sample).")] = None,
     device: Device = "cpu",
-    overwrite: Annotated[bool, typer.Option(help="Write into a non-empty folder the demo did not create.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(help="Replace a folder salaquant wrote for another use (an export); a demo's own is reused."),
+    ] = False,
 ) -> None:
     """Quantize the shipped tiny model with GPTQ W4A16 and NVFP4 (default, dense-all) and score each against bf16."""
     from .calib_data import CalibrationError

@@ -5,7 +5,8 @@ and dense-all), reads each export back with the runtime (packed quantized linear
 with the bf16 model on held-out text: checkpoint size, perplexity, KL(bf16 || export), top-1 agreement and a
 greedy-generation collapse check. Each NVFP4 export is scored twice: W4A4 (its linears' inputs quantized to NVFP4
 with the export's input scales, as Blackwell runs it) and weight-only (16-bit activations, as older GPUs do).
-One table, ``demo.json`` and the checkpoints under the output folder.
+One table, ``demo.json`` and the checkpoints under the output folder. ``demo.json`` is written first (no rows yet),
+so a stopped demo's folder is still known as the demo's, and rewritten with the table at the end.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from .eval.data import load_eval_text
 from .eval.generation import BUILTIN_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
 from .eval.perplexity import windows
-from .outputs import check_no_overlap, check_writable_folder
+from .outputs import check_no_overlap, check_replace, check_writable_folder, remove_owned
+from .ownership import DEMO, judge
 from .progress import Phases
 from .workflow import load_tokenizer
 
@@ -35,10 +37,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODEL = REPO_ROOT / "models" / "sala-tiny"
 SHIPPED_CALIB = REPO_ROOT / "calib" / "sala-tiny-calib.jsonl"
 MARKER = "demo.json"
+FOLDERS = ("gptq-w4a16", "nvfp4", "nvfp4-dense-all")  # the exports under the demo's folder
 
 
 class DemoError(ValueError):
-    """Bad demo input (missing shipped files, an output folder that is not the demo's)."""
+    """Bad demo input (missing shipped files)."""
 
 
 @dataclass(frozen=True)
@@ -105,17 +108,27 @@ def _resolve(model: Path | None, calib: Path | None) -> tuple[Path, Path]:
 
 
 def _prepare_output(out: Path | None, overwrite: bool, inputs: list[tuple[str, Path]], console: Console) -> Path:
-    """The demo's folder: ``out`` (checked like every output) or, when none is named, a new temporary folder."""
+    """The demo's folder: ``out`` (checked like every output) or, when none is named, a new temporary folder. An
+    earlier demo's folder is the demo's own and rewritten as it is; another folder salaquant wrote (an export) is
+    replaced only with ``--overwrite``; a folder holding files salaquant did not write is refused."""
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="salaquant-demo-"))
         console.print(f"writing the demo's checkpoints under {out} (--out names another folder)")
         return out
     check_no_overlap(out, inputs, flag="--out")
     check_writable_folder(out, flag="--out")
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists() and not overwrite:
-        raise DemoError(f"{out} is not empty and was not written by the demo: pass another --out or --overwrite")
+    verdict = judge(out)
+    if verdict.foreign or (verdict.kind is not None and verdict.kind.name != DEMO):
+        check_replace(out, overwrite, flag="--out")
+        remove_owned(out)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _write_result(out: Path, result: dict[str, Any]) -> None:
+    tmp = out / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out / MARKER)
 
 
 def _variants(
@@ -139,9 +152,9 @@ def _variants(
         return quantize
 
     return [
-        ("GPTQ W4A16", "gptq-w4a16", gptq),
-        ("NVFP4", "nvfp4", nvfp4(False)),
-        ("NVFP4 dense-all", "nvfp4-dense-all", nvfp4(True)),
+        ("GPTQ W4A16", FOLDERS[0], gptq),
+        ("NVFP4", FOLDERS[1], nvfp4(False)),
+        ("NVFP4 dense-all", FOLDERS[2], nvfp4(True)),
     ]
 
 
@@ -162,6 +175,7 @@ def run_demo(
 
     model, calib = _resolve(model, calib)
     out = _prepare_output(out, overwrite, [("model", model), ("calibration set", calib)], console)
+    _write_result(out, {"rows": []})  # the folder is the demo's from its first file on
     size = QUICK if quick else FULL
     dev = resolve_device(device)
     t_start = time.perf_counter()
@@ -216,9 +230,7 @@ def run_demo(
         "rows": rows,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
-    tmp = out / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out / MARKER)
+    _write_result(out, result)
     console.print(table(result))
     console.print(f"checkpoints and reports under {out}/ ({MARKER}); {result['seconds']:.0f} s")
     return result

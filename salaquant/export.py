@@ -6,10 +6,27 @@ from pathlib import Path
 from typing import Any
 
 from .engine import EngineResult
-from .model.checkpoint import CheckpointReader, CheckpointWriter
+from .model.checkpoint import SETTINGS_NAME, CheckpointReader, CheckpointWriter
 from .model.config import SalaConfig
 from .model.layout import global_parameter_shapes
 from .serving import SGLANG_VERSION, serving_lines
+
+CARD_NAME = "README.md"
+LOG_NAME = "quantize.log"
+GATE_NAME = "eval_gate.json"  # the eval gate's result, written by a gated recipe into the export it judged
+# Every file an export holds beside its weights, config.json and the serving files copied from the source: the
+# names `export_checkpoint` takes in ``extra_files`` (it refuses any other), its model card and log, the gate's
+# result. `salaquant.ownership` reads this to know an export when ``--overwrite`` would replace it.
+EXPORT_FILES = (
+    SETTINGS_NAME,
+    "quant_report.json",
+    "quantize_config.json",
+    "hf_quant_config.json",
+    "recipe.yaml",
+    CARD_NAME,
+    LOG_NAME,
+    GATE_NAME,
+)
 
 
 def model_card(quant_method: str, source_card: str) -> str:
@@ -48,7 +65,10 @@ def export_checkpoint(
     folder; ``config.json`` with every architecture key stated (so an engine's defaults cannot differ from the
     values the model was quantized with) and ``quantization_config``; tokenizer and remote-code files; the model
     card with how to serve the export; ``extra_files`` (format configs, reports, resolved settings) as JSON, or
-    as text when given a string."""
+    as text when given a string; their names must be in `EXPORT_FILES`."""
+    unknown = sorted(set(extra_files) - set(EXPORT_FILES))
+    if unknown:
+        raise ValueError(f"export files {unknown} are not in salaquant.export.EXPORT_FILES: add them there")
     reader = CheckpointReader(source)
     config = SalaConfig.from_dict(reader.config())
     shapes = global_parameter_shapes(config)
@@ -73,10 +93,10 @@ def export_checkpoint(
             else:
                 writer.write_json(name, obj)
         writer.copy_aux(source)
-        card = writer.tmp_dir / "README.md"
+        card = writer.tmp_dir / CARD_NAME
         source_card = card.read_text(encoding="utf-8") if card.is_file() else ""
         card.write_text(model_card(qconfig["quant_method"], source_card), encoding="utf-8")
         log = result.work_dir / "log.txt"
         if log.exists():
-            (writer.tmp_dir / "quantize.log").write_text(log.read_text())
+            (writer.tmp_dir / LOG_NAME).write_text(log.read_text())
     return output

@@ -3,8 +3,9 @@
 Every command that writes a folder checks, before it reads a tensor or a calibration record: that the output
 is not the input, inside it or around it (paths resolved, symlinks followed); that it is not a file and does
 not lie below one; that its parent's file system takes writes (a real probe, so a read-only mount or a
-missing permission is caught, also for root); and that an existing non-empty output is only replaced with
-``--overwrite``. Each refusal is one `OutputError` naming the path.
+missing permission is caught, also for root); and that an existing output is replaced only with ``--overwrite``
+and only when salaquant wrote it (`salaquant.ownership`: a folder holding anything else is refused even with
+``--overwrite``, and so is a work folder). Each refusal is one `OutputError` naming the path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from .ownership import judge
 from .summary import human_bytes
 
 
@@ -68,14 +70,51 @@ def check_writable_folder(output: Path, flag: str = "--output") -> None:
         raise OutputError(f"{flag} {output}: cannot write in {anchor} ({exc.strerror or exc})") from exc
 
 
+def check_replace(output: Path, overwrite: bool, flag: str = "--output") -> None:
+    """Refuse an existing output holding files salaquant did not write, with or without ``--overwrite`` (a few are
+    named), and one salaquant wrote without ``--overwrite``; a missing or empty folder passes. ``flag`` names the
+    output in the message ("" for an argument). A file is left to `check_writable_folder`."""
+    if output.exists() and not output.is_dir():
+        return
+    verdict = judge(output)
+    named = f"{flag} {output}" if flag else str(output)
+    if verdict.foreign:
+        raise OutputError(
+            f"{named} holds files salaquant did not write ({verdict.few()}): salaquant never deletes them, "
+            "not even with --overwrite; choose another folder or move them out"
+        )
+    if verdict.kind is not None and not overwrite:
+        raise OutputError(f"{named} is a {verdict.kind.name} salaquant wrote: pass --overwrite to replace it")
+
+
+def refuse_foreign(path: Path, role: str = "") -> None:
+    """Refuse to remove or replace ``path`` when it holds files salaquant did not write (``role`` says what the path
+    is to the run); a missing or empty folder, or one salaquant wrote, passes."""
+    verdict = judge(path)
+    if verdict.foreign:
+        raise OutputError(
+            f"{path}{role} holds files salaquant did not write ({verdict.few()}): salaquant never deletes them; "
+            "move them out or choose another output"
+        )
+
+
+def remove_owned(path: Path, role: str = "") -> None:
+    """Remove ``path`` after `refuse_foreign` has passed it (nothing to do when it is missing)."""
+    refuse_foreign(path, role)
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
 def check_output(output: Path, overwrite: bool, resume: bool, inputs: Sequence[tuple[str, Path]] = ()) -> None:
-    """All the refusals of the module doc, then: a non-empty output without ``overwrite``, ``resume`` without a
-    work folder, an unfinished work folder with neither ``resume`` nor ``overwrite``."""
+    """All the refusals of the module doc, then: an output salaquant wrote without ``overwrite``, ``resume``
+    without a work folder, an unfinished work folder with neither ``resume`` nor ``overwrite``."""
     check_no_overlap(output, inputs)
     check_writable_folder(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise OutputError(f"{output} exists and is not empty: pass --overwrite to replace it")
+    check_replace(output, overwrite)
     work = work_dir_for(output)
+    refuse_foreign(work, ", the work folder of this output,")
     if resume and not work.exists():
         raise OutputError(f"--resume: no work folder {work} to resume from")
     if not resume and not overwrite and (work / "state.json").exists():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,9 @@ from rich.console import Console
 
 from .calib_data import CalibOptions
 from .distributed import from_environment
+from .export import GATE_NAME
 from .model.checkpoint import replace_folder
-from .outputs import check_no_overlap, check_output
+from .outputs import check_no_overlap, check_output, refuse_foreign, remove_owned
 from .recipe import RecipeError, rule_line
 from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
@@ -42,7 +42,9 @@ def run_recipe(
     """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``.
 
     With an eval gate the export is written to ``OUTPUT.gate-pending`` and moved to ``output`` only when the gate
-    passes; a failed gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`."""
+    passes; a failed gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`.
+    Both names are salaquant's: what an earlier run left there is replaced, a folder holding anything else is
+    refused before any work."""
     if not recipe.calibration.sources:
         raise RecipeError(
             "calibration.sources is empty: list files in the recipe or pass "
@@ -55,12 +57,13 @@ def run_recipe(
     if gated:  # the export waits beside the output until the gate has passed
         check_output(output, overwrite, False, [("input checkpoint", model)])
         export_to = Path(f"{output}.gate-pending")
-        shutil.rmtree(export_to, ignore_errors=True)
+        refuse_foreign(Path(f"{output}.gate-failed"), ", where a failed gate keeps its export,")
+        remove_owned(export_to, ", where the export waits for its gate,")
     _quantize(recipe, model, export_to, console, resume, overwrite, show_progress, recipe_path)
     if not gated or not from_environment(recipe.engine.device).main:  # under torchrun, rank 0 runs the gate
         return output
     result = eval_gate(model, export_to, recipe.eval, recipe.engine.device)
-    (export_to / "eval_gate.json").write_text(json.dumps(result, indent=2))
+    (export_to / GATE_NAME).write_text(json.dumps(result, indent=2))
     console.print(
         f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
         f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from salaquant.model.checkpoint import (
+    SETTINGS_NAME,
     CheckpointError,
     CheckpointReader,
     CheckpointWriter,
@@ -49,6 +50,15 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _write_ckpt(path: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> Path:
     return save_state_dict(state, path, CONFIG, max_shard_bytes=max_shard_bytes)
+
+
+def _salaquant_ckpt(path: Path, state: dict[str, torch.Tensor], max_shard_bytes: int = 10**9) -> Path:
+    """A checkpoint as salaquant writes one (with its settings file): ``overwrite`` may replace it."""
+    with CheckpointWriter(path, max_shard_bytes=max_shard_bytes) as w:
+        w.write_json("config.json", CONFIG)
+        w.write_json(SETTINGS_NAME, {"method": "test"})
+        w.add_many(state)
+    return path
 
 
 def test_multi_shard_round_trip(tmp_path: Path) -> None:
@@ -214,7 +224,7 @@ def test_exception_inside_writer_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_exception_keeps_previous_output(tmp_path: Path) -> None:
-    out = save_state_dict({"x": torch.ones(3)}, tmp_path / "out", CONFIG)
+    out = _salaquant_ckpt(tmp_path / "out", {"x": torch.ones(3)})
     with pytest.raises(RuntimeError), CheckpointWriter(out, overwrite=True) as w:
         w.add("y", torch.zeros(3))
         raise RuntimeError("boom")
@@ -223,7 +233,7 @@ def test_exception_keeps_previous_output(tmp_path: Path) -> None:
 
 
 def test_overwrite_replaces(tmp_path: Path) -> None:
-    out = _write_ckpt(tmp_path / "out", _state(), max_shard_bytes=1200)
+    out = _salaquant_ckpt(tmp_path / "out", _state(), max_shard_bytes=1200)
     assert (out / "model.safetensors.index.json").exists()
     save_state_dict({"x": torch.full((2,), 7.0)}, out, {"a": 1}, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

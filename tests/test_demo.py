@@ -11,10 +11,11 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from salaquant.cli import app
-from salaquant.demo import QUICK, SHIPPED_MODEL, DemoError, run_demo
+from salaquant.demo import QUICK, SHIPPED_MODEL, run_demo
 from salaquant.eval.data import load_eval_text
 from salaquant.eval.perplexity import compare_models, windows
 from salaquant.model.loading import load_model
+from salaquant.outputs import OutputError
 from salaquant.workflow import load_tokenizer
 
 
@@ -69,7 +70,7 @@ def test_demo_numbers_match_the_dequantizing_loader(demo_run: tuple[Path, dict, 
 
 def test_demo_refuses_a_foreign_folder_and_missing_inputs(tmp_path: Path) -> None:
     (tmp_path / "mine.txt").write_text("keep")
-    with pytest.raises(DemoError, match="not written by the demo"):
+    with pytest.raises(OutputError, match=r"holds files salaquant did not write \(mine.txt\)"):
         run_demo(tmp_path, Console(), quick=True, show_progress=False)
     assert (tmp_path / "mine.txt").read_text() == "keep"
     res = CliRunner().invoke(app, ["demo", "--quick", "-o", str(tmp_path / "d"), "--model", str(tmp_path / "none")])

@@ -25,6 +25,7 @@ from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
 from ..model.sampling import Sampling
+from ..ownership import CHECKPOINT, EVAL_REPORT, judge
 from ..progress import Phases
 from ..runtime.load import ACTIVATIONS
 from . import generation as gen
@@ -173,9 +174,37 @@ def parse_depths(text: str) -> tuple[float, ...]:
     return depths
 
 
-def _report_dir(folder: Path) -> Path:
+def _report_dir(folder: Path, quantized: Path, reference: Path) -> Path:
+    """The ``--report`` folder, made if missing: a new or empty folder, one of earlier eval reports, or the evaluated
+    export when salaquant wrote it. Refused: the reference checkpoint or a folder inside it (a report never goes into
+    the bf16 source), a folder inside the evaluated checkpoint, another salaquant folder, any folder holding files
+    salaquant did not write (`salaquant.ownership`)."""
     if folder.exists() and not folder.is_dir():
         raise EvalInputError(f"--report {folder}: exists and is not a folder")
+    real, ref, q = (Path(os.path.realpath(p)) for p in (folder, reference, quantized))
+    if real.is_relative_to(ref):
+        where = "is" if real == ref else "lies inside"
+        raise EvalInputError(
+            f"--report {folder} {where} the reference checkpoint {reference}: a report never goes into the bf16 "
+            "source; pass a folder of its own"
+        )
+    if real != q and real.is_relative_to(q):
+        raise EvalInputError(
+            f"--report {folder} lies inside the evaluated checkpoint {quantized}: pass the checkpoint itself or a "
+            "folder outside it"
+        )
+    verdict = judge(folder)
+    if verdict.foreign:
+        raise EvalInputError(
+            f"--report {folder} holds files salaquant did not write ({verdict.few()}): pass a new or empty folder, "
+            "one of earlier eval reports, or the evaluated export"
+        )
+    kind = verdict.kind.name if verdict.kind is not None else None
+    if kind not in (None, EVAL_REPORT) and not (kind == CHECKPOINT and real == q):
+        raise EvalInputError(
+            f"--report {folder} is a {kind} salaquant wrote, not the evaluated checkpoint {quantized}: pass a new or "
+            "empty folder, one of earlier eval reports, or the evaluated export"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -251,6 +280,7 @@ def run_eval(
     if niah_lengths is None:
         niah_lengths = [qcfg.dense_len, 4 * qcfg.dense_len] if qcfg.dense_len is not None else []
     _gate_needs(gates, opts, niah_lengths)
+    folder = _report_dir(Path(report_dir), quantized, reference) if report_dir is not None else None
     has_tokenizer = any((reference / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     try:
         tokenizer = load_tokenizer(reference if has_tokenizer else quantized)
@@ -286,7 +316,6 @@ def run_eval(
         prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
     else:
         prompts = list(opts.prompts) if opts.prompts is not None else list(gen.BUILTIN_PROMPTS[: opts.gen_prompts])
-    folder = _report_dir(Path(report_dir)) if report_dir is not None else None
     notes: list[str] = []
     if len(wins) < opts.windows:
         notes.append(

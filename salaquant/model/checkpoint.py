@@ -33,6 +33,8 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_NAME",
     "SERVING_FILES",
+    "SETTINGS_NAME",
+    "SHARD_NAME",
     "SINGLE_FILE_NAME",
     "CheckpointError",
     "CheckpointReader",
@@ -46,6 +48,10 @@ __all__ = [
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
+SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"  # each shard, when there are several
+# How salaquant made a checkpoint (an export's settings, a random checkpoint's seed): the file that marks a folder
+# as salaquant's own, which `--overwrite` may replace (salaquant.ownership).
+SETTINGS_NAME = "salaquant_settings.json"
 DEFAULT_MAX_SHARD_BYTES = 4 * 10**9
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -526,8 +532,13 @@ def staging_folder(out_dir: Path) -> Path:
 
 def replace_folder(tmp: Path, out_dir: Path) -> None:
     """Rename the complete folder ``tmp`` to ``out_dir``; an existing ``out_dir`` is removed only once the new one
-    is in place (it is restored if the rename fails)."""
+    is in place (it is restored if the rename fails). Every output salaquant replaces goes through here, so here,
+    at the moment of replacing, an ``out_dir`` holding files salaquant did not write is refused
+    (`salaquant.outputs.refuse_foreign`: a file a user put there during a long run is caught too)."""
     if out_dir.exists() or out_dir.is_symlink():
+        from ..outputs import refuse_foreign
+
+        refuse_foreign(out_dir)
         backup = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-{os.getpid()}-", dir=out_dir.parent))
         backup.rmdir()
         os.replace(out_dir, backup)
@@ -548,7 +559,9 @@ class CheckpointWriter:
     on a clean exit the shards are given their final names, the index is written (multi-shard
     only) and the folder is renamed to ``out_dir``. On an exception the temporary folder is removed
     and any previous ``out_dir`` is left untouched. An existing non-empty ``out_dir`` is refused
-    unless ``overwrite`` is set, in which case it is removed only after the new folder is complete.
+    unless ``overwrite`` is set, in which case it is removed only after the new folder is complete;
+    a folder holding files salaquant did not write (`salaquant.ownership`) is refused even then
+    (`salaquant.outputs.OutputError`), when the writer is made and again before it is replaced.
     """
 
     def __init__(
@@ -578,6 +591,9 @@ class CheckpointWriter:
                 raise CheckpointError(f"output path {out} exists and is not a plain folder (file or symlink)")
             if not self.overwrite and _dir_is_nonempty(out):
                 raise CheckpointError(f"output folder {out} exists and is not empty; pass overwrite=True to replace it")
+            from ..outputs import refuse_foreign
+
+            refuse_foreign(out)
 
     @property
     def tmp_dir(self) -> Path:
@@ -721,7 +737,7 @@ class CheckpointWriter:
             count = len(self._shards)
             weight_map: dict[str, str] = {}
             for i, (tmp_name, names) in enumerate(self._shards, start=1):
-                final = f"model-{i:05d}-of-{count:05d}.safetensors"
+                final = SHARD_NAME.format(index=i, count=count)
                 os.replace(tmp / tmp_name, tmp / final)
                 for name in names:
                     weight_map[name] = final

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointWriter
+from .checkpoint import SETTINGS_NAME, CheckpointWriter
 from .config import DEFAULT_SPARSE_CONFIG, SalaConfig
 from .layout import parameter_shapes
 
@@ -136,7 +136,9 @@ def write_random_checkpoint(
 ) -> Path:
     """Write a random-init checkpoint tensor by tensor (never the whole model in memory).
 
-    Linears and embeddings are N(0, std), norms are ones. The same seed gives the same bytes.
+    Linears and embeddings are N(0, std), norms are ones. The same seed gives the same bytes. How it was drawn
+    (seed, std, dtype) is recorded in ``salaquant_settings.json``, which also marks the folder as salaquant's: a
+    later ``overwrite`` may replace it.
     """
     from .tokenizer import build_byte_tokenizer
 
@@ -152,6 +154,8 @@ def write_random_checkpoint(
                 tensor = tensor.to(dtype).cpu()
             writer.add(name, tensor)
         writer.write_json("config.json", cfg.to_dict())
+        settings = {"method": "random", "seed": seed, "std": std, "dtype": str(dtype).removeprefix("torch.")}
+        writer.write_json(SETTINGS_NAME, settings)
         writer.write_json(
             "generation_config.json",
             {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "do_sample": False},
