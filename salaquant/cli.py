@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -63,11 +64,26 @@ def fail(message: str, code: int = 2) -> None:
 
 @app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
     if version:
         console.print(f"salaquant {__version__}")
         raise typer.Exit(0)
+    _progress_lines(ctx)
+
+
+def _progress_lines(ctx: typer.Context) -> None:
+    """Plain progress lines for the whole command when stderr is not a terminal (the heartbeat covers every long
+    step, loading and exporting too), on rank 0 only under torchrun; a bad interval setting is refused first."""
+    from . import progress
+
+    try:
+        progress.line_seconds()
+    except ValueError as exc:
+        fail(str(exc))
+    if ctx.invoked_subcommand is not None and os.environ.get("RANK", "0") == "0":
+        ctx.with_resource(progress.plain_lines(f"salaquant {ctx.invoked_subcommand}: started"))
 
 
 @app.command()
@@ -743,7 +759,7 @@ def check(
         fail(str(exc), code=1)
     console.print(
         f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
-        f"{len(report.unquantized)} kept in 16 bits"
+        f"{report.plain_summary()}"
     )
     report.print_to(console)
 

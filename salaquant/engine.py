@@ -5,8 +5,9 @@ For every decoder layer i: load layer i alone onto the compute device, run every
 GLA state carried between chunks), collect the statistics of each input group, hand the layer and its
 statistics to the quantizer, then propagate the samples through the layer the quantizer returns (or
 through the float layer). Hidden states stay in CPU memory between layers. Each finished layer is
-recorded in a work folder with a fingerprint of model, data and settings, so an interrupted run
-resumes after the last finished layer and produces the same bytes as an uninterrupted one.
+recorded in a work folder with a fingerprint of model, data and settings, and the hidden states after it are
+saved at each resume point (every layer on a CPU, every ``GPU_RESUME_EVERY``-th on a GPU, and the last), so an
+interrupted run resumes after the last resume point and produces the same bytes as an uninterrupted one.
 
 With several processes (``torchrun``, ``salaquant.distributed``) each holds the samples of its leaves of the
 statistics tree (``salaquant.shards``), the processes' statistics are added in that fixed tree before each layer
@@ -68,6 +69,15 @@ from .stats import HESSIAN_SUMS, GroupStats, LayerStats
 log = logging.getLogger("salaquant.engine")
 
 
+GPU_RESUME_EVERY = 4
+"""Layers between two resume points on a GPU (on a CPU every layer is one). A resume point writes the hidden states
+of every calibration sample: 3.76 GB for the 458,792-token pipeline set at the full shape, which took 3.6-4.3 s
+on the H200 machine (about 0.95 GB/s once the page cache is full), while the work it overlaps before the next
+layer's propagation must wait for it (load, statistics, solve) is about 2.8 s a layer: one per layer would add
+about 26 s to the 139 s run, against at most 3 layers (about 13 s) computed again after an interruption. On a
+CPU a layer takes far longer than writing its hidden states (the shipped model: seconds a layer for 64 KB)."""
+
+
 class ResumeError(RuntimeError):
     """A work folder that cannot be resumed (different model, data or settings)."""
 
@@ -90,7 +100,7 @@ class EngineOptions:
     pin_memory: bool = True
     background_writes: bool = True  # write layer i's files while layer i + 1 computes
     attention_kernels: bool = True  # GLA through salaquant.kernels (Triton on CUDA, the reference elsewhere)
-    resume_every: int = 4  # hidden states (the resume point) written after every N-th layer and the last one
+    resume_every: int | None = None  # resume point (hidden states) every N layers and at the last; None: by device
 
     def fingerprint_fields(self) -> dict[str, Any]:
         d = asdict(self)
@@ -138,6 +148,9 @@ class EngineResult:
     layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
     rank_tokens: list[int] = field(default_factory=list)  # calibration tokens each process held
     rank_peaks: list[dict[str, float | None]] = field(default_factory=list)  # each process's peak GPU memory, RSS
+    # torch's CPU threads in this process: CPU sums split by thread, so a CPU run's bytes are those of any run with
+    # as many threads per process, whatever the number of processes
+    cpu_threads: int = 1
 
     def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
         path = self.work_dir / "layers" / f"{index:03d}.safetensors"
@@ -259,10 +272,11 @@ class CalibrationEngine:
             raise ValueError(f"propagate must be 'quantized' or 'float', got {self.opts.propagate!r}")
         if self.opts.chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
-        if self.opts.resume_every < 1:
+        if self.opts.resume_every is not None and self.opts.resume_every < 1:
             raise ValueError("resume_every must be >= 1")
         self.ranks = ranks
         self.device = device_for(ranks, resolve_device(self.opts.device))
+        self.resume_every = self.opts.resume_every or (1 if self.device.type == "cpu" else GPU_RESUME_EVERY)
         lengths = [s.numel() for s in self.samples]
         self.leaves = split_leaves(lengths)
         self.rank_tokens = shard_tokens(lengths, self.leaves, ranks.world)
@@ -397,6 +411,7 @@ class CalibrationEngine:
                 "fingerprint": self.fingerprint,
                 "finished": finished,
                 "num_layers": self.config.num_hidden_layers,
+                "resume_every": self.resume_every,
                 "settings": self.settings,
                 "tensors": self._digests,
             },
@@ -559,7 +574,9 @@ class CalibrationEngine:
                     if self.ranks.main:
                         self._write_state(i + 1)
                 timings["save"] += time.perf_counter() - t0
-                progress.layer_done(i)
+                progress.layer_done(
+                    i, ", a resume point" if self.resume_every > 1 and self._resume_point_after(i) else ""
+                )
             t0 = time.perf_counter()
             writer.drain()
             timings["save"] += time.perf_counter() - t0
@@ -574,7 +591,15 @@ class CalibrationEngine:
         self.final_hidden = hs
         peaks = gather_object(self._peaks(), self.ranks)
         return EngineResult(
-            self.work_dir, n_layers, reports, timings, total_tokens, layer_seconds, list(self.rank_tokens), peaks
+            self.work_dir,
+            n_layers,
+            reports,
+            timings,
+            total_tokens,
+            layer_seconds,
+            list(self.rank_tokens),
+            peaks,
+            torch.get_num_threads(),
         )
 
     def _peaks(self) -> dict[str, float | None]:
@@ -715,7 +740,7 @@ class CalibrationEngine:
     def _persist_layer(
         self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, hs: list[torch.Tensor]
     ) -> None:
-        """Layer ``i``'s files; at a resume point (every ``resume_every``-th layer and the last) also the hidden
+        """Layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the hidden
         states after it, then the state that marks layers up to ``i`` finished. Layers after the last resume point
         are computed again by a resumed run (same bytes: the computation is deterministic). The digests of the
         tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
@@ -731,4 +756,4 @@ class CalibrationEngine:
                 self._write_state(i + 1)
 
     def _resume_point_after(self, i: int) -> bool:
-        return (i + 1) % self.opts.resume_every == 0 or i + 1 == self.config.num_hidden_layers
+        return (i + 1) % self.resume_every == 0 or i + 1 == self.config.num_hidden_layers

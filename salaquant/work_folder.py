@@ -57,20 +57,35 @@ def _lock(work: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _resume_every(work: Path) -> int:
+    """Layers between the resume points of the run in ``work`` (``state.json``; 1 when it does not say)."""
+    try:
+        return int(json.loads((work / "state.json").read_text()).get("resume_every", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
 def _kept(work: Path) -> str:
-    """What remains of a run that stopped early, and the work folder removed when nothing is worth keeping."""
+    """What remains of a run that stopped early, and the work folder removed when nothing is worth keeping. A run
+    resumes from its last resume point (`resume_every`): the message names the layer it continues from, and says
+    when layers finished after that point will be computed again."""
     done, total = finished_layers(work)
+    every = _resume_every(work)
+    cadence = f"the hidden states are saved after every {every} layers on this device"
     if done == 0:
         shutil.rmtree(work, ignore_errors=True)
-        return f"nothing was kept ({work} removed)"
+        why = f": {cadence}, and no such point was reached" if every > 1 else ""
+        return f"nothing was kept ({work} removed){why}"
     if total is not None and done >= total:
         return (
             f"all {total} calibrated layers are kept in {work}: rerun the same command with --resume to export "
             "without calibrating again, or with --overwrite to start over"
         )
+    layers = "layer 1" if done == 1 else f"layers 1-{done}"
+    again = f" ({cadence}: any layer finished after layer {done} is computed again)" if every > 1 else ""
     return (
-        f"{done} of {total} finished layers are kept in {work}: rerun the same command with --resume to continue "
-        "from there, or with --overwrite to start over"
+        f"{layers} of {total} are kept in {work}: rerun the same command with --resume to continue from layer "
+        f"{done + 1}, or with --overwrite to start over{again}"
     )
 
 

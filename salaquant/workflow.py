@@ -89,6 +89,7 @@ def run_report(
         "processes": engine.ranks.world,
         "rank_tokens": result.rank_tokens,
         "rank_peaks": result.rank_peaks,
+        "cpu_threads": result.cpu_threads,
         "calibration": data.summary(),
         "timings_s": {**result.timings, "calibrate_and_quantize": seconds},
         "layer_seconds": result.layer_seconds,

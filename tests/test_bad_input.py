@@ -242,13 +242,14 @@ def test_an_export_is_refused_as_the_source(tmp_path: Path) -> None:
 
 
 def test_nan_weight_named_and_the_work_folder_removed(model: Path, tmp_path: Path) -> None:
-    _edit(model, "model.layers.2.mlp.up_proj.weight", lambda t: t.index_fill(0, torch.tensor([5]), float("nan")))
+    # in the first layer: on a CPU every finished layer is kept for --resume
+    _edit(model, "model.layers.0.mlp.up_proj.weight", lambda t: t.index_fill(0, torch.tensor([5]), float("nan")))
     out = tmp_path / "q"
     for _ in range(2):  # the second run gives the same answer, not "pass --resume" / "remove it"
         res = _gptq(model, out)
         assert res.exit_code == 2, res.output
         line = _one_error_line(res)
-        assert "tensor model.layers.2.mlp.up_proj.weight holds NaN or Inf" in line and "first at [5, 0]" in line
+        assert "tensor model.layers.0.mlp.up_proj.weight holds NaN or Inf" in line and "first at [5, 0]" in line
         assert "nothing was kept" in line and "finite 2-D" not in line
         assert not out.exists() and not outputs.work_dir_for(out).exists()
 
@@ -344,8 +345,10 @@ def test_disk_full_during_calibration(model: Path, tmp_path: Path, monkeypatch) 
     res = _gptq(model, out)
     assert res.exit_code == 2, res.output
     line = _one_error_line(res)
-    assert "q.work/layers/002.safetensors.tmp: No space left on device" in line and "nothing was kept" in line
-    assert not out.exists() and not outputs.work_dir_for(out).exists()
+    work = outputs.work_dir_for(out)  # on a CPU the two layers finished before are kept for --resume
+    assert "q.work/layers/002.safetensors.tmp: No space left on device" in line
+    assert f"layers 1-2 of 4 are kept in {work}: rerun the same command with --resume to continue from layer 3" in line
+    assert not out.exists() and json.loads((work / "state.json").read_text())["finished"] == 2
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.glob(".q.tmp-*"))
 
 

@@ -3,7 +3,8 @@
 Two processes give the bytes of one (GPTQ, NVFP4 with the input-scale search, the calibration statistics); a
 process that fails ends the run with its message and no export, and the run resumes with another number of
 processes to the same bytes. On a CPU the comparison holds for the same threads per process (CPU matrix products
-split their sums by thread), so every command here runs with ``OMP_NUM_THREADS=1``, which ``torchrun`` also sets.
+split their sums by thread): ``torchrun`` gives each process one thread, so the single process runs with
+``OMP_NUM_THREADS=1``, and each export records its ``cpu_threads``.
 """
 
 from __future__ import annotations
@@ -111,9 +112,13 @@ def test_merged_accumulators_equal_one_over_all_samples() -> None:
     assert left.best_factor() == one.best_factor()
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def _env(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """One process runs one thread; under torchrun the variable is left unset, as a user's shell leaves it, and
+    torchrun sets it to 1 in each process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
+    if nproc > 1:
+        env.pop("OMP_NUM_THREADS")
     return {**env, **(extra or {})}
 
 
@@ -123,7 +128,7 @@ def _salaquant(args: list[str], nproc: int = 1, env: dict[str, str] | None = Non
     else:
         torchrun = Path(sys.executable).parent / "torchrun"
         cmd = [str(torchrun), "--nproc-per-node", str(nproc), "-m", "salaquant", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(env), check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(nproc, env), check=False)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -154,14 +159,17 @@ def test_two_processes_write_the_bytes_of_one(command: list[str], tmp_path: Path
         report = json.loads((tmp_path / "two" / "quant_report.json").read_text())
         assert report["processes"] == 2 and sum(report["rank_tokens"]) == report["calibration"]["tokens"]
         assert min(report["rank_tokens"]) > 0 and "communicate" in report["timings_s"]
+        one = json.loads((tmp_path / "one" / "quant_report.json").read_text())
+        assert report["cpu_threads"] == one["cpu_threads"] == 1  # the condition the bytes hold under
     else:
         stats = load_file(tmp_path / "two" / "layers" / "001.safetensors")
         assert int(stats["mlp_in.counts"][1]) == 6  # every sample of both processes in the sums
 
 
 def test_failed_process_ends_the_run_and_it_resumes_with_another_count(tmp_path: Path) -> None:
-    """Rank 1 raising in layer 5 stops both processes with its message; nothing is exported and the first four
-    layers (a resume point) are kept; one process resumes them to the bytes of an uninterrupted run."""
+    """Rank 1 raising in layer index 5 stops both processes with its message; nothing is exported and the five
+    finished layers (on a CPU each is a resume point) are kept; one process resumes them to the bytes of an
+    uninterrupted run."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
@@ -183,7 +191,7 @@ def test_failed_process_ends_the_run_and_it_resumes_with_another_count(tmp_path:
     assert "injected failure in layer 5" in failed.stdout + failed.stderr
     assert not out.exists() or not list(out.glob("*.safetensors"))
     state = json.loads((Path(f"{out}.work") / "state.json").read_text())
-    assert state["finished"] == 4
+    assert state["finished"] == 5
     _ok(_salaquant([*args, "-o", str(out), "--resume"]))
     _ok(_salaquant([*args, "-o", str(tmp_path / "whole")]))
     assert _weights(out) == _weights(tmp_path / "whole")

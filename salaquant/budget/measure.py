@@ -149,9 +149,12 @@ class _PartClock:
 
 
 @torch.no_grad()
-def export_kl(source: Path, export: Path, ids: torch.Tensor, device: torch.device) -> float:
+def export_kl(
+    source: Path, export: Path, ids: torch.Tensor, device: torch.device, on_layer: Callable[[int], None] | None = None
+) -> float:
     """Mean per-token KL(source || export) of the final logits on ``ids`` (dense attention), both checkpoints run
-    layer by layer (the export's linears dequantized, as the costs were measured)."""
+    layer by layer (the export's linears dequantized, as the costs were measured); ``on_layer(i)`` is told after
+    each layer."""
     readers = [CheckpointReader(source), CheckpointReader(export)]
     try:
         config = SalaConfig.from_dict(readers[0].config())
@@ -164,6 +167,8 @@ def export_kl(source: Path, export: Path, ids: torch.Tensor, device: torch.devic
                 r.close()
                 use_layer_kernels(layer)
                 hs[j] = layer(hs[j], layer_rope(config, layer.kind, 0, ids.shape[1], device), None, "dense")
+            if on_layer is not None:
+                on_layer(i)
         fns = [_log_probs(r, config, device, dtype) for r in readers]
         kl = sum(_kl_sum(fns[0](a[None]), fns[1](b[None])) for a, b in zip(hs[0], hs[1], strict=True))
         return max(kl, 0.0) / ids.numel()

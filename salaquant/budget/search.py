@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from ..atomic import atomic_json
 from ..distributed import SINGLE, Ranks, broadcast_object
 from ..model.checkpoint import CheckpointReader
 from ..model.config import SalaConfig
+from ..progress import Phases
 from .measure import Perturb, export_kl, measure_costs, search_windows
 from .size import Budget, BudgetError, Unit, describe_bytes, fixed_bytes, linear_weights
 from .solver import solve
@@ -136,12 +137,12 @@ def choose(
         f"{sum(len(u.options) > 1 for u in units)} groups on {ids.shape[0]} x {ids.shape[1]} calibration tokens"
     )
 
-    def on_layer(i: int, copies: int, seconds: float) -> None:
-        n = config.num_hidden_layers
-        console.print(f"  budget search: layer {i + 1}/{n}, {copies} changed copies, {seconds:.1f} s")
-
     parts: dict[str, float] = {}
-    costs = measure_costs(reader, config, ids, units, perturb, device, on_layer, parts) if ranks.main else None
+    costs = None
+    if ranks.main:
+        what = "budget search: layers (then the KL of every option)"
+        with Phases(not console.quiet) as progress, progress.phase(what, config.num_hidden_layers) as step:
+            costs = measure_costs(reader, config, ids, units, perturb, device, step, parts)
     costs = broadcast_object(costs, ranks)
     assert costs is not None
     choosable = [u for u, unit in enumerate(units) if len(unit.options) > 1]
@@ -196,9 +197,15 @@ def saved_choice(path: Path, budget: Budget, units: Sequence[Unit], options: Sea
 
 
 def budget_achieved(
-    plan: BudgetPlan, source: Path, export: Path, samples: Sequence[torch.Tensor], device: torch.device
+    plan: BudgetPlan,
+    source: Path,
+    export: Path,
+    samples: Sequence[torch.Tensor],
+    device: torch.device,
+    on_layer: Callable[..., None] | None = None,
 ) -> None:
-    """The export's tensor bytes and its KL to the source on the search windows, into ``plan.achieved``."""
+    """The export's tensor bytes and its KL to the source on the search windows, into ``plan.achieved``
+    (``on_layer`` is told after each layer of the two models)."""
     t0 = time.perf_counter()
     with CheckpointReader(export) as reader:
         achieved = reader.total_bytes()
@@ -246,7 +253,9 @@ def record_budget(
 ) -> None:
     """Measure what the export achieved (`budget_achieved`), add the budget report to its ``quant_report.json``
     (rewritten whole) and print the choice per kind of unit."""
-    budget_achieved(plan, source, export, samples, device)
+    what = "budget: the export's KL to the source, layers"
+    with Phases(not console.quiet) as progress, progress.phase(what, config.num_hidden_layers) as step:
+        budget_achieved(plan, source, export, samples, device, step)
     report_path = export / "quant_report.json"
     report = json.loads(report_path.read_text())
     report["budget"] = plan.report()

@@ -221,7 +221,7 @@ def _format_check(path: Path, tp: int) -> dict[str, Any]:
     rep = check_checkpoint(path, tp=tp)
     return {
         "status": "passed",
-        "detail": f"{rep.format}, tp={tp}: {len(rep.quantized)} quantized linears, {len(rep.unquantized)} in 16 bits",
+        "detail": f"{rep.format}, tp={tp}: {len(rep.quantized)} quantized linears, {rep.plain_summary()}",
         "quantized_linears": len(rep.quantized),
         "unquantized_linears": len(rep.unquantized),
         "warnings": rep.warnings,

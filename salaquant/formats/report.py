@@ -24,6 +24,15 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     serving: list[str] = field(default_factory=list)  # how SGLang serves it and on which GPUs
 
+    def plain_summary(self) -> str:
+        """``"7 kept in 16 bits (lm_head and 6 decoder linears)"``: lm_head, which no export quantizes (no engine
+        serves SALA with a quantized one), counted apart from the decoder linears a plan or an exclusion kept."""
+        decoder = sum(m != "lm_head" for m in self.unquantized)
+        parts = ["lm_head"] if "lm_head" in self.unquantized else []
+        if decoder:
+            parts.append(f"{decoder} decoder linear{'s' if decoder != 1 else ''}")
+        return f"{len(self.unquantized)} kept in 16 bits" + (f" ({' and '.join(parts)})" if parts else "")
+
     def print_to(self, console: Any) -> None:
         """Print the serving lines and the warnings on a rich ``Console``."""
         for line in self.serving:

@@ -93,9 +93,10 @@ def run_gptq(
             f"{first[1][0]}; exclude them or allow --marlin-fallback"
         )
     if excluded:
+        head = "" if config.tie_word_embeddings else " (lm_head, never quantized, is kept too)"
         console.print(
-            f"[yellow]keeping {len(excluded)} linears in bf16: gptq_marlin cannot serve their shapes at "
-            f"tp={run.tp} (--no-marlin-fallback fails instead):[/]"
+            f"[yellow]keeping {len(excluded)} decoder linears in bf16{head}: gptq_marlin cannot serve their shapes "
+            f"at tp={run.tp} (--no-marlin-fallback fails instead):[/]"
         )
         for name, reasons in excluded.items():
             console.print(f"  {name}: {reasons[0]}")

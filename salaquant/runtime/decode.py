@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import progress
 from ..model.cache import SalaCache
 from ..model.modeling import NonFiniteLogits, SalaForCausalLM, lm_logits
 from ..model.sampling import Sampling, next_token
@@ -185,12 +186,27 @@ class Decoder:
             return [Continuation(p.new_zeros(0), None) for p in prompts]
         if any(p.dim() != 1 or p.numel() == 0 for p in prompts):
             raise ValueError("each prompt must be a non-empty 1-D tensor of token ids")
-        sampling = sampling or Sampling()
+        try:
+            return self._generate(prompts, max_new_tokens, sampling or Sampling(), generator, eos_token_id)
+        finally:
+            progress.detail(None)
+
+    def _generate(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+        eos_token_id: int | None,
+    ) -> list[Continuation]:
+        """`generate_checked`'s work, telling the progress lines which part runs (`progress.detail`)."""
         dev = self._device()
         n = len(prompts)
         rows = bucket(n)
         timings = Timings()
         t0 = time.perf_counter()
+        if self._use_graphs() and max_new_tokens > 1:
+            progress.detail(f"capturing the decode step for {rows} row(s) (once per batch size)")
         state, timings.capture = self._state(rows, max(len(p) for p in prompts) + max_new_tokens, max_new_tokens > 1)
         t1 = time.perf_counter()
         last = torch.zeros(rows, self.model.config.vocab_size, dtype=torch.float32, device=dev)
@@ -198,6 +214,7 @@ class Decoder:
         by_length: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_length.setdefault(len(p), []).append(i)
+        progress.detail(f"prefill of {sum(len(p) for p in prompts):,} prompt tokens ({n} prompt(s))")
         for length, same in by_length.items():
             per_call = max(1, PREFILL_TOKENS // length)
             for c in range(0, len(same), per_call):
@@ -226,6 +243,7 @@ class Decoder:
             torch.cuda.synchronize(dev)
         t2 = time.perf_counter()
         timings.prefill = t2 - t1
+        progress.detail(lambda: f"token {timings.steps + 1:,}/{max_new_tokens:,} of {n} prompt(s)")
         for step in range(1, max_new_tokens):
             if eos_token_id is not None and step % EOS_CHECK_EVERY == 0 and bool(done[:n].all()):
                 break
