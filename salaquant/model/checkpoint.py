@@ -171,8 +171,53 @@ def _read_header(path: Path) -> dict[str, _TensorInfo]:
                 f"{path}: tensor {name!r} data [{begin}, {end}) lies outside the file's "
                 f"{data_size} data bytes (truncated file?)"
             )
+        _check_size(path, name, dtype, shape, end - begin)
         infos[name] = _TensorInfo(dtype, shape, end - begin, 8 + header_len + begin)
+    _check_layout(path, infos, 8 + header_len, data_size)
     return infos
+
+
+def _check_size(path: Path, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """Refuse a tensor whose byte range does not hold exactly its shape's elements of its dtype (dtypes torch
+    cannot represent are refused when the tensor is read)."""
+    torch_dtype = _ST_DTYPES.get(dtype)
+    if torch_dtype is None:
+        return
+    need = torch_dtype.itemsize
+    for d in shape:
+        need *= d
+    if any(d < 0 for d in shape) or need != nbytes:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} of shape {list(shape)} and dtype {dtype} takes {need} bytes, but its "
+            f"data_offsets span {nbytes}: the header is damaged"
+        )
+
+
+def _check_layout(path: Path, infos: dict[str, _TensorInfo], start: int, data_size: int) -> None:
+    """Refuse byte ranges that are not what the safetensors format requires: taken in offset order, each tensor
+    starts where the one before it ends and the last one ends at the end of the file. A header whose ranges
+    overlap would read one tensor's bytes as another's; a gap or trailing bytes mean a damaged header or file.
+    ``safe_open`` refuses such files only when a tensor is read; checking here lets ``inspect`` and every
+    command's header checks see them."""
+    end, last = 0, ""
+    for name, info in sorted(infos.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        begin = info.offset - start
+        if begin < end:
+            shared = f"[{begin}, {min(end, begin + info.nbytes)})"
+            raise CheckpointError(
+                f"{path}: tensors {last!r} and {name!r} share data bytes {shared}: the header is damaged"
+            )
+        if begin > end:
+            between = f"between tensors {last!r} and {name!r}" if last else f"before tensor {name!r}"
+            raise CheckpointError(
+                f"{path}: data bytes [{end}, {begin}) {between} belong to no tensor: the header is damaged"
+            )
+        end, last = begin + info.nbytes, name
+    if end != data_size:
+        raise CheckpointError(
+            f"{path}: the last {data_size - end} bytes of the file belong to no tensor (the data section holds "
+            f"{data_size} bytes, the tensors {end}): the header is damaged or bytes were appended"
+        )
 
 
 def _check_shard_name(index_path: Path, shard: object) -> str:
