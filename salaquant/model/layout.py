@@ -107,6 +107,17 @@ def parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_ROTARY_FREQUENCIES = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def derived_tensor(config: SalaConfig, name: str) -> bool:
+    """Whether a stored tensor outside `parameter_shapes` is one the model rebuilds rather than reads: rotary
+    frequencies (``model.layers.{i}.self_attn.rotary_emb.inv_freq``, computed from ``rope_theta``; transformers
+    saved them before it made them non-persistent buffers) and, under ``tie_word_embeddings``, a stored
+    ``lm_head.weight`` (transformers, vLLM and SGLang tie the head to the embeddings and ignore the copy)."""
+    return bool(_ROTARY_FREQUENCIES.fullmatch(name)) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
 GROUP_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 """The input groups of every decoder layer, in execution order (``input_groups``)."""
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import SalaConfig
-from .layout import global_parameter_shapes, layer_parameter_shapes, parameter_shapes
+from .layout import derived_tensor, global_parameter_shapes, layer_parameter_shapes, parameter_shapes
 from .modeling import DecoderLayer, SalaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,23 @@ def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
                 f"{reader.path / reader.shard_of(name)}: tensor {name} has dtype {reader.dtype(name)}, expected "
                 "bfloat16, float16 or float32"
             )
+    _refuse_unexpected(reader, config)
     return reader, config
+
+
+def _refuse_unexpected(reader: CheckpointReader, config: SalaConfig) -> None:
+    """Refuse tensors the architecture does not have: no run reads them and the export would drop them without
+    a word (a checkpoint of another model, or a config.json with fewer layers than the weights). The tensors
+    `derived_tensor` names, which some writers store and every loader rebuilds, are accepted."""
+    expected = parameter_shapes(config)
+    extra = [n for n in reader if n not in expected and not derived_tensor(config, n)]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else "")
+        raise CheckpointError(
+            f"{reader.path}: {len(extra)} tensor(s) that a MiniCPM-SALA model of this config.json does not have "
+            f"(no run would read them, no export would keep them): {shown}; pass a checkpoint whose config.json "
+            "describes all of its weights"
+        )
 
 
 def _fill(
