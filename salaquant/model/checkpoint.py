@@ -388,6 +388,10 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} has safetensors dtype {st_dtype!r}, which torch cannot represent")
         return dtype
 
+    def offset(self, name: str) -> int:
+        """Where tensor ``name``'s bytes start in its shard file."""
+        return self._info(name).offset
+
     def nbytes(self, name: str) -> int:
         """Stored byte size of tensor ``name``."""
         return self._info(name).nbytes
@@ -401,20 +405,40 @@ class CheckpointReader:
         to know the tensor is the one an earlier run read. Read straight from the file, in 16 MiB blocks."""
         info = self._info(name)
         h = hashlib.sha256(f"{info.dtype}:{list(info.shape)}:".encode())
+        for block in self._byte_blocks(name, torch.empty(1 << 24, dtype=torch.uint8)):
+            h.update(block.numpy())
+        return h.hexdigest()
+
+    def blocks(self, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Tensor ``name``'s values, flat and in order, in pieces read straight from the file into ``buffer`` (a
+        uint8 tensor, reused for every piece): however large the tensor, memory stays at the buffer. Each piece
+        is valid until the next one is read."""
+        dtype = self.dtype(name)
+        return (block.view(dtype) for block in self._byte_blocks(name, buffer, dtype.itemsize))
+
+    def _byte_blocks(self, name: str, buffer: torch.Tensor, item: int = 1) -> Iterator[torch.Tensor]:
+        """Tensor ``name``'s stored bytes in pieces of whole ``item``-byte elements, read into ``buffer``. While
+        the caller works on a piece, the kernel is asked to read the next one (``POSIX_FADV_WILLNEED``), so the
+        disk and the caller's work overlap."""
+        info = self._info(name)
         path = self.path / self._shard_of(name)
+        step = buffer.numel() // item * item
+        view = memoryview(buffer.numpy())
+        prefetch = getattr(os, "posix_fadvise", None)
         try:
             with path.open("rb") as f:
                 f.seek(info.offset)
                 left = info.nbytes
                 while left:
-                    block = f.read(min(left, 1 << 24))
-                    if not block:
+                    size = min(left, step)
+                    if f.readinto(view[:size]) != size:
                         raise CheckpointError(f"{path}: tensor {name!r} is cut short (truncated file?)")
-                    h.update(block)
-                    left -= len(block)
+                    if prefetch is not None:
+                        prefetch(f.fileno(), f.tell(), step, os.POSIX_FADV_WILLNEED)
+                    yield buffer[:size]
+                    left -= size
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
-        return h.hexdigest()
 
     def config(self) -> dict[str, Any]:
         """Parsed ``config.json`` (cached; a copy is returned)."""
