@@ -186,6 +186,28 @@ def split_layer_name(name: str) -> tuple[int, str] | None:
     return (int(m[1]), m[2]) if m else None
 
 
+def linear_names(config: SalaConfig) -> list[str]:
+    """Full names of every decoder linear (``model.layers.{i}.{linear}``), layer by layer: the names that
+    ``--exclude`` patterns and bits rules select from."""
+    return [
+        f"model.layers.{i}.{s.name}" for i, kind in enumerate(config.mixer_types) for s in layer_linears(config, kind)
+    ]
+
+
+def unmatched(patterns: list[re.Pattern[str]], names: list[str]) -> int | None:
+    """Index of the first pattern that matches (``re.search``) none of ``names``, or None. A pattern that
+    selects no linear is a typo: the run it belongs to would quietly be another run than the one asked for."""
+    return next((k for k, p in enumerate(patterns) if not any(p.search(n) for n in names)), None)
+
+
+def no_match(what: str, pattern: str, names: list[str]) -> str:
+    """The refusal of a pattern that matches none of ``names``: what follows from it, what names look like."""
+    return (
+        f"{what} '{pattern}' matches no linear of this model, so it would change nothing (patterns are regular "
+        f"expressions searched in names such as {names[0]} or {names[-1]})"
+    )
+
+
 def fused_name(name: str) -> str | None:
     """``model.layers.3.self_attn.k_proj`` -> ``model.layers.3.self_attn.qkv_proj``; None if not fused."""
     parts = split_layer_name(name)
