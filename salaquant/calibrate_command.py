@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from .distributed import barrier
 from .engine import CalibrationEngine, EngineOptions
 from .model.checkpoint import replace_folder, staging_folder
 from .outputs import work_dir_for
+from .recipe import check_flags
 from .work_folder import guarded_run
 from .workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
 
@@ -41,6 +43,8 @@ def run_calibrate(
 ) -> Path:
     if hessian_dtype not in ("fp32", "fp64"):
         raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
+    calibration = {k: v for k, v in dataclasses.asdict(options).items() if k != "add_bos"}
+    check_flags({"calibration": calibration, "engine": {"device": device, "chunk_tokens": chunk_tokens}})
     config, ranks = start_run(model, output, sources, device=device, overwrite=overwrite, resume=resume)
     if not ranks.main:  # one voice: rank 0 prints and writes the statistics
         console = Console(quiet=True)

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .serving import LM_HEAD_REFUSAL
-from .settings import SMOOTH_GROUPS, Recipe
+from .settings import SMOOTH_GROUPS, Recipe, ignored_settings
 
 __all__ = ["Recipe", "RecipeError", "apply_overrides", "load_recipe", "recipe_from_dict", "shipped_recipes"]
 
@@ -166,6 +166,23 @@ def _consistency(recipe: Recipe) -> list[dict[str, Any]]:
                 "msg": f"{fmt!r} does not match method {recipe.method!r}",
             }
         )
+    c = recipe.calibration
+    if c.min_len > c.max_len:
+        errors.append(
+            {
+                "loc": ("calibration", "min_len"),
+                "type": "value_error",
+                "input": c.min_len,
+                "msg": f"above max_len ({c.max_len}): every sample would be dropped",
+            }
+        )
+    for section, name in ignored_settings(recipe):
+        if section == "eval":
+            why = "without eval.data there is no eval gate to read it: set eval.data (held-out text) or remove it"
+        else:
+            why = f"method {recipe.method} does not read it, so it would change nothing: remove it"
+        value = getattr(getattr(recipe, section), name)
+        errors.append({"loc": (section, name), "type": "value_error", "input": value, "msg": why})
     return errors
 
 
@@ -224,8 +241,40 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) ->
         raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections (method, calibration, ...)")
+    duplicates = _duplicate_keys(root)
+    if duplicates:
+        raise RecipeError("\n".join(f"{path}:{line}" for line in duplicates))
     applied = apply_overrides(data, overrides or [])
     return recipe_from_dict(data, str(path), root, applied)
+
+
+def _duplicate_keys(node: yaml.Node | None) -> list[str]:
+    """``LINE: key 'a.b' given twice ...`` for every key a mapping repeats (YAML keeps the last one without a
+    word). Each node is visited once, so aliases cannot make the walk grow."""
+    found: list[str] = []
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node | None, str]] = [(node, "")]
+    while stack:
+        current, where = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, yaml.MappingNode):
+            first: dict[str, yaml.Node] = {}
+            for key, value in current.value:
+                name = f"{where}.{key.value}" if where else str(key.value)
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    if key.value in first:
+                        line = first[key.value].start_mark.line + 1
+                        found.append(
+                            f"{key.start_mark.line + 1}: key '{name}' is given twice (first at line {line}); YAML "
+                            "would keep the last one without a word: remove one"
+                        )
+                    first.setdefault(key.value, key)
+                stack.append((value, name))
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(current.value))
+    return sorted(found, key=lambda text: int(text.split(":", 1)[0]))
 
 
 def recipe_from_dict(
@@ -246,11 +295,18 @@ def recipe_from_dict(
     return recipe
 
 
-def rule_line(recipe_path: str | Path, index: int) -> str:
-    """``file:line`` of ``quantization.rules[index]`` (for errors found against the model config)."""
+def check_flags(sections: dict[str, dict[str, Any]]) -> None:
+    """Validate the flags of a command that takes some of a recipe's sections without running a recipe
+    (``calibrate``: ``{"calibration": {...}, "engine": {...}}``) as a recipe's are; errors name the flags."""
+    recipe_from_dict({"method": "gptq", **sections}, "flags")
+
+
+def key_line(recipe_path: str | Path, key: tuple[str | int, ...]) -> str:
+    """``file:line`` of ``key`` (e.g. ``("quantization", "rules", 2)``) in a recipe, for errors found against the
+    model's config once the recipe has been validated."""
     try:
         path = resolve_recipe_path(recipe_path)
-        node = _node_at(yaml.compose(path.read_text()), ("quantization", "rules", index))
+        node = _node_at(yaml.compose(path.read_text()), key)
         return f"{path}:{node.start_mark.line + 1}" if node is not None else str(path)
     except (RecipeError, yaml.YAMLError, OSError):
         return str(recipe_path)

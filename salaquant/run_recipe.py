@@ -13,7 +13,7 @@ from .distributed import from_environment
 from .export import GATE_NAME
 from .model.checkpoint import replace_folder
 from .outputs import check_no_overlap, check_output, refuse_foreign, remove_owned
-from .recipe import RecipeError, rule_line
+from .recipe import RecipeError, key_line
 from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
 
@@ -147,11 +147,15 @@ def _quantize(
             )
         except PlanError as exc:
             if exc.rule is not None and recipe_path is not None:
-                raise RecipeError(f"{rule_line(recipe_path, exc.rule)}: quantization.{exc}") from exc
+                key = ("quantization", "rules", exc.rule)
+                raise RecipeError(f"{key_line(recipe_path, key)}: quantization.{exc}") from exc
+            if exc.exclude is not None and recipe_path is not None:
+                raise _exclude_error(recipe_path, ("quantization", "exclude", exc.exclude), exc) from exc
             raise
     else:
         from .nvfp4.command import NVFP4RunOptions, run_nvfp4
         from .nvfp4.layer import NVFP4LayerOptions
+        from .nvfp4.plan import NVFP4PlanError
 
         n = recipe.nvfp4
         alpha, groups = smoothing_for(recipe)
@@ -176,9 +180,28 @@ def _quantize(
             overwrite=overwrite,
             show_progress=show_progress,
         )
-        run_nvfp4(
-            model, output, recipe.calibration.sources, calib_options(recipe), layer4, run4, console, extra_files=extra
-        )
+        try:
+            run_nvfp4(
+                model,
+                output,
+                recipe.calibration.sources,
+                calib_options(recipe),
+                layer4,
+                run4,
+                console,
+                extra_files=extra,
+            )
+        except NVFP4PlanError as exc:
+            if exc.exclude is not None and recipe_path is not None:
+                k = exc.exclude  # run4.exclude is nvfp4.exclude, then quantization.exclude
+                key = ("nvfp4", "exclude", k) if k < len(n.exclude) else ("quantization", "exclude", k - len(n.exclude))
+                raise _exclude_error(recipe_path, key, exc) from exc
+            raise
+
+
+def _exclude_error(recipe_path: str, key: tuple[str, str, int], exc: Exception) -> RecipeError:
+    """A plan's refusal of an ``--exclude`` pattern, said of the recipe key that gave it (file, line, key)."""
+    return RecipeError(f"{key_line(recipe_path, key)}: {key[0]}.{key[1]}[{key[2]}]: {exc}")
 
 
 def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:

@@ -7,10 +7,10 @@ Sections are frozen pydantic models that forbid unknown keys; `defaults` gives a
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .model.layout import GROUP_NAMES
 
@@ -23,21 +23,24 @@ SMOOTH_GROUPS: dict[str, tuple[str, ...]] = {
 SMOOTH_BY_DEFAULT: dict[str, bool] = {"gptq": False, "rtn": False, "nvfp4": True}
 """Whether a method smooths when the recipe does not say: off for weight-only GPTQ (with MSE scales SmoothQuant
 raised the perplexity increase on text outside the calibration set for every alpha tried: docs/gptq.md)."""
-SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+SIZE_EXPECTED = "expected a size above zero, such as 4GB, 500MB or 2GiB"
 
 
 def parse_size(text: str) -> int:
+    """Bytes of ``"4GB"``, ``"500MB"``, ``"2GiB"`` or a plain byte count; a `ValueError` for anything else,
+    zero included (no shard, budget or file is zero bytes)."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
+    size = int(t) if t.isdigit() else None
     for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(unit):
+        if size is None and t.endswith(unit):
             try:
-                return int(float(t[: -len(unit)]) * mult)
+                size = int(float(t[: -len(unit)]) * mult)
             except ValueError:
                 break
-    if t.isdigit():
-        return int(t)
-    raise ValueError(f"size {text!r}: expected a number with a unit such as 4GB, 500MB or 2GiB")
+    if size is None or size <= 0:
+        raise ValueError(f"size {text!r}: {SIZE_EXPECTED}")
+    return size
 
 
 class _Section(BaseModel):
@@ -51,7 +54,7 @@ class Calibration(_Section):
     min_len: int = Field(1, ge=1)
     shuffle: bool = False
     seed: int = 0
-    field: str | None = None
+    field: str | None = Field(None, min_length=1, description="the record field holding the text")
 
 
 class Smoothing(_Section):
@@ -60,19 +63,22 @@ class Smoothing(_Section):
     groups: list[str] | None = Field(None, description="default: all the method's groups")
 
 
+def _regex(v: str) -> str:
+    try:
+        re.compile(v)
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression ({exc})") from exc
+    return v
+
+
+Regex = Annotated[str, AfterValidator(_regex)]
+"""A regular expression (``re.search``ed in linear names), checked when the recipe is."""
+
+
 class BitsRuleModel(_Section):
-    match: str
+    match: Regex
     bits: Literal[4, 8, 16] | None = None
     group_size: Literal[-1, 32, 64, 128] | None = None
-
-    @field_validator("match")
-    @classmethod
-    def _regex(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression ({exc})") from exc
-        return v
 
 
 class Quantization(_Section):
@@ -82,7 +88,7 @@ class Quantization(_Section):
     lightning_bits: Literal[4, 8, 16] | None = None
     layer_bits: str = Field("", description='e.g. "0:8,2-7:4" (16 = bf16)')
     rules: list[BitsRuleModel] = Field(default_factory=list, description="first match wins")
-    exclude: list[str] = Field(default_factory=list)
+    exclude: list[Regex] = Field(default_factory=list)
     budget: str | None = Field(
         None, description='size of the export, e.g. "6.5GB", or "4.5bits" per weight: the options chosen by measurement'
     )
@@ -111,7 +117,7 @@ class GPTQSection(_Section):
 
 class NVFP4Section(_Section):
     dense_all: bool = False
-    exclude: list[str] = Field(default_factory=list)
+    exclude: list[Regex] = Field(default_factory=list)
     mse_iters: int = Field(80, ge=0, le=10000)
     mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
     input_scale: Literal["max", "mse"] = Field(
@@ -131,11 +137,17 @@ class Export(_Section):
     tp: int = Field(1, ge=1)
     marlin_fallback: bool = True
 
-    @field_validator("shard_size")
+    @field_validator("shard_size", mode="before")
     @classmethod
-    def _size(cls, v: str) -> str:
-        if not SIZE_RE.match(v):
-            raise ValueError("expected a size such as 4GB, 500MB or 2GiB")
+    def _size(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):  # a byte count, as YAML reads a plain number
+            v = str(v)
+        if not isinstance(v, str):
+            return v  # refused as not a string
+        try:
+            parse_size(v)
+        except ValueError:
+            raise ValueError(SIZE_EXPECTED) from None
         return v
 
 
@@ -164,7 +176,56 @@ class Recipe(_Section):
     eval: EvalGate = EvalGate()
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+        """The recipe as YAML, without the settings its method does not read (`NOT_READ`): what it runs, and a
+        file that loads back to the same recipe."""
+        data = self.model_dump(mode="json")
+        for key in NOT_READ[self.method]:
+            section, _, name = key.partition(".")
+            if name:
+                data[section].pop(name)
+            else:
+                data.pop(section)
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+NOT_READ: dict[str, tuple[str, ...]] = {
+    "gptq": ("nvfp4",),
+    "rtn": ("nvfp4", "gptq.damp", "gptq.block_size", "gptq.act_order"),
+    "nvfp4": (
+        "gptq",
+        "quantization.bits",
+        "quantization.group_size",
+        "quantization.minicpm4_bits",
+        "quantization.lightning_bits",
+        "quantization.layer_bits",
+        "quantization.rules",
+        "export.tp",
+        "export.marlin_fallback",
+    ),
+}
+"""The sections and keys each method's run never reads (rtn rounds without a solve; NVFP4 has its own grid and
+no tensor-parallel check). A recipe that sets one to other than its default is refused: it would change
+nothing."""
+GATE_KEYS = ("seq_len", "windows", "max_ppl_increase", "max_kl", "min_top1", "activations")
+"""The ``eval`` keys read only when ``eval.data`` is set (without data there is no gate)."""
+
+
+def ignored_settings(recipe: Recipe) -> list[tuple[str, str]]:
+    """``(section, key)`` of every setting of ``recipe`` that its run would not read but that differs from its
+    default: a key of `NOT_READ` for its method, or an ``eval`` key of `GATE_KEYS` without ``eval.data``.
+    Defaults are allowed so that any recipe `Recipe.to_yaml` wrote, by this version or an earlier one that
+    still wrote every section, loads."""
+    base = defaults(recipe.method)
+    keys = [k for k in NOT_READ[recipe.method] if "." in k]
+    keys += [f"{k}.{f}" for k in NOT_READ[recipe.method] if "." not in k for f in type(getattr(base, k)).model_fields]
+    if recipe.eval.data is None:
+        keys += [f"eval.{k}" for k in GATE_KEYS]
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        if getattr(getattr(recipe, section), name) != getattr(getattr(base, section), name):
+            out.append((section, name))
+    return out
 
 
 def defaults(method: str) -> Recipe:

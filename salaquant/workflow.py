@@ -11,7 +11,7 @@ from .calib_data import CalibOptions, CalibSet, load_calibration
 from .distributed import Ranks, barrier, from_environment
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
-from .model.loading import validate_source
+from .model.loading import check_finite, validate_source
 from .outputs import check_free_space, check_output
 
 if TYPE_CHECKING:
@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 def start_run(
     model: Path, output: Path, sources: list[str], *, device: str, overwrite: bool, resume: bool
 ) -> tuple[SalaConfig, Ranks]:
-    """What every command that calibrates checks before any data or model work (about a second): the output
-    paths (`check_output`, the source and every calibration file counting as inputs), the device, and the source
-    checkpoint from its headers (`validate_source`); then, under ``torchrun``, the process group (every process
+    """What every command that calibrates checks before any data or model work: the output paths
+    (`check_output`, the source and every calibration file counting as inputs), the device, the source checkpoint
+    from its headers (`validate_source`, about a second) and its weights for NaN/Inf (`check_finite`, a read of
+    every weight: docs/calibration.md gives its cost); then, under ``torchrun``, the process group (every process
     has made the same checks before any of them starts the run)."""
     from .engine import resolve_device
 
@@ -31,7 +32,9 @@ def start_run(
     inputs += [("calibration source", Path(s)) for s in sources if not s.startswith("hf:")]
     check_output(output, overwrite, resume, inputs)
     resolve_device(device)
-    _, config = validate_source(model)
+    reader, config = validate_source(model)
+    with reader:
+        check_finite(reader)
     ranks = from_environment(device)
     barrier(ranks)
     return config, ranks

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from salaquant.cli import app
@@ -23,10 +22,9 @@ SMALL = [
     "--set",
     "calibration.max_len=128",
     "--set",
-    "nvfp4.mse_iters=4",
-    "--set",
     "engine.device=cpu",
 ]
+QUICK_NVFP4 = ["--set", "nvfp4.mse_iters=4"]  # only for nvfp4 recipes: the others refuse nvfp4 settings
 runner = CliRunner()
 
 
@@ -63,10 +61,10 @@ def test_default_recipes_are_the_defaults(name: str, method: str) -> None:
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))
 def test_shipped_recipe_runs(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    res = runner.invoke(app, ["run", name, "-i", MODEL, "-o", str(out), "--calib", CALIB, *SMALL])
+    small = SMALL + (QUICK_NVFP4 if name.startswith("nvfp4") else [])
+    res = runner.invoke(app, ["run", name, "-i", MODEL, "-o", str(out), "--calib", CALIB, *small])
     assert res.exit_code == 0, res.output
-    saved = yaml.safe_load((out / "recipe.yaml").read_text())
-    assert saved == load_recipe(name, [*SMALL[1::2], f"calibration.sources=[{CALIB}]"]).model_dump(mode="json")
+    assert load_recipe(out / "recipe.yaml") == load_recipe(name, [*small[1::2], f"calibration.sources=[{CALIB}]"])
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == ("modelopt" if name.startswith("nvfp4") else "gptq")
     if name == "gptq-w4-mlp-w8-attn":

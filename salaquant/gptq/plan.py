@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..formats.gptq_v1.dynamic import LinearPlan
 from ..model.config import LIGHTNING, SPARSE, SalaConfig
-from ..model.layout import FUSED_PARAMETERS, layer_linears
+from ..model.layout import FUSED_PARAMETERS, layer_linears, linear_names, no_match, unmatched
 from ..settings import defaults
 
 _DEFAULTS = defaults("gptq")
@@ -21,11 +21,13 @@ SUPPORTED_BITS = (4, 8, 16)
 
 
 class PlanError(ValueError):
-    """An impossible bits plan; the message names the option and the value (``rule``: the offending rule)."""
+    """An impossible bits plan; the message names the option and the value (``rule``: the offending rule,
+    ``exclude``: the offending ``--exclude`` pattern, by index)."""
 
-    def __init__(self, message: str, rule: int | None = None) -> None:
+    def __init__(self, message: str, rule: int | None = None, exclude: int | None = None) -> None:
         super().__init__(message)
         self.rule = rule
+        self.exclude = exclude
 
 
 def parse_layer_bits(spec: str, num_layers: int) -> dict[int, int]:
@@ -118,6 +120,13 @@ def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
             rules.append(re.compile(rule.match))
         except re.error as exc:
             raise PlanError(f"rules[{k}] match {rule.match!r}: not a valid regular expression ({exc})", rule=k) from exc
+    names = linear_names(config)
+    k = unmatched(patterns, names)
+    if k is not None:
+        raise PlanError(no_match("--exclude", opts.exclude[k], names), exclude=k)
+    k = unmatched(rules, names)
+    if k is not None:
+        raise PlanError(no_match(f"rules[{k}] match", opts.rules[k].match, names), rule=k)
     plan: dict[str, LinearPlan] = {}
     matched_rule: dict[str, int] = {}
     for i, kind in enumerate(config.mixer_types):

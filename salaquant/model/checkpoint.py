@@ -177,8 +177,53 @@ def _read_header(path: Path) -> dict[str, _TensorInfo]:
                 f"{path}: tensor {name!r} data [{begin}, {end}) lies outside the file's "
                 f"{data_size} data bytes (truncated file?)"
             )
+        _check_size(path, name, dtype, shape, end - begin)
         infos[name] = _TensorInfo(dtype, shape, end - begin, 8 + header_len + begin)
+    _check_layout(path, infos, 8 + header_len, data_size)
     return infos
+
+
+def _check_size(path: Path, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """Refuse a tensor whose byte range does not hold exactly its shape's elements of its dtype (dtypes torch
+    cannot represent are refused when the tensor is read)."""
+    torch_dtype = _ST_DTYPES.get(dtype)
+    if torch_dtype is None:
+        return
+    need = torch_dtype.itemsize
+    for d in shape:
+        need *= d
+    if any(d < 0 for d in shape) or need != nbytes:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} of shape {list(shape)} and dtype {dtype} takes {need} bytes, but its "
+            f"data_offsets span {nbytes}: the header is damaged"
+        )
+
+
+def _check_layout(path: Path, infos: dict[str, _TensorInfo], start: int, data_size: int) -> None:
+    """Refuse byte ranges that are not what the safetensors format requires: taken in offset order, each tensor
+    starts where the one before it ends and the last one ends at the end of the file. A header whose ranges
+    overlap would read one tensor's bytes as another's; a gap or trailing bytes mean a damaged header or file.
+    ``safe_open`` refuses such files only when a tensor is read; checking here lets ``inspect`` and every
+    command's header checks see them."""
+    end, last = 0, ""
+    for name, info in sorted(infos.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        begin = info.offset - start
+        if begin < end:
+            shared = f"[{begin}, {min(end, begin + info.nbytes)})"
+            raise CheckpointError(
+                f"{path}: tensors {last!r} and {name!r} share data bytes {shared}: the header is damaged"
+            )
+        if begin > end:
+            between = f"between tensors {last!r} and {name!r}" if last else f"before tensor {name!r}"
+            raise CheckpointError(
+                f"{path}: data bytes [{end}, {begin}) {between} belong to no tensor: the header is damaged"
+            )
+        end, last = begin + info.nbytes, name
+    if end != data_size:
+        raise CheckpointError(
+            f"{path}: the last {data_size - end} bytes of the file belong to no tensor (the data section holds "
+            f"{data_size} bytes, the tensors {end}): the header is damaged or bytes were appended"
+        )
 
 
 def _check_shard_name(index_path: Path, shard: object) -> str:
@@ -349,6 +394,10 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} has safetensors dtype {st_dtype!r}, which torch cannot represent")
         return dtype
 
+    def offset(self, name: str) -> int:
+        """Where tensor ``name``'s bytes start in its shard file."""
+        return self._info(name).offset
+
     def nbytes(self, name: str) -> int:
         """Stored byte size of tensor ``name``."""
         return self._info(name).nbytes
@@ -362,20 +411,40 @@ class CheckpointReader:
         to know the tensor is the one an earlier run read. Read straight from the file, in 16 MiB blocks."""
         info = self._info(name)
         h = hashlib.sha256(f"{info.dtype}:{list(info.shape)}:".encode())
+        for block in self._byte_blocks(name, torch.empty(1 << 24, dtype=torch.uint8)):
+            h.update(block.numpy())
+        return h.hexdigest()
+
+    def blocks(self, name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Tensor ``name``'s values, flat and in order, in pieces read straight from the file into ``buffer`` (a
+        uint8 tensor, reused for every piece): however large the tensor, memory stays at the buffer. Each piece
+        is valid until the next one is read."""
+        dtype = self.dtype(name)
+        return (block.view(dtype) for block in self._byte_blocks(name, buffer, dtype.itemsize))
+
+    def _byte_blocks(self, name: str, buffer: torch.Tensor, item: int = 1) -> Iterator[torch.Tensor]:
+        """Tensor ``name``'s stored bytes in pieces of whole ``item``-byte elements, read into ``buffer``. While
+        the caller works on a piece, the kernel is asked to read the next one (``POSIX_FADV_WILLNEED``), so the
+        disk and the caller's work overlap."""
+        info = self._info(name)
         path = self.path / self._shard_of(name)
+        step = buffer.numel() // item * item
+        view = memoryview(buffer.numpy())
+        prefetch = getattr(os, "posix_fadvise", None)
         try:
             with path.open("rb") as f:
                 f.seek(info.offset)
                 left = info.nbytes
                 while left:
-                    block = f.read(min(left, 1 << 24))
-                    if not block:
+                    size = min(left, step)
+                    if f.readinto(view[:size]) != size:
                         raise CheckpointError(f"{path}: tensor {name!r} is cut short (truncated file?)")
-                    h.update(block)
-                    left -= len(block)
+                    if prefetch is not None:
+                        prefetch(f.fileno(), f.tell(), step, os.POSIX_FADV_WILLNEED)
+                    yield buffer[:size]
+                    left -= size
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
-        return h.hexdigest()
 
     def config(self) -> dict[str, Any]:
         """Parsed ``config.json`` (cached; a copy is returned)."""

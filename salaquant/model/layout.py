@@ -107,6 +107,17 @@ def parameter_shapes(config: SalaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_ROTARY_FREQUENCIES = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def derived_tensor(config: SalaConfig, name: str) -> bool:
+    """Whether a stored tensor outside `parameter_shapes` is one the model rebuilds rather than reads: rotary
+    frequencies (``model.layers.{i}.self_attn.rotary_emb.inv_freq``, computed from ``rope_theta``; transformers
+    saved them before it made them non-persistent buffers) and, under ``tie_word_embeddings``, a stored
+    ``lm_head.weight`` (transformers, vLLM and SGLang tie the head to the embeddings and ignore the copy)."""
+    return bool(_ROTARY_FREQUENCIES.fullmatch(name)) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
 GROUP_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 """The input groups of every decoder layer, in execution order (``input_groups``)."""
 
@@ -173,6 +184,28 @@ def split_layer_name(name: str) -> tuple[int, str] | None:
     """``model.layers.3.mlp.up_proj`` -> ``(3, "mlp.up_proj")``; None for a name outside the decoder layers."""
     m = _LAYER_LINEAR.fullmatch(name)
     return (int(m[1]), m[2]) if m else None
+
+
+def linear_names(config: SalaConfig) -> list[str]:
+    """Full names of every decoder linear (``model.layers.{i}.{linear}``), layer by layer: the names that
+    ``--exclude`` patterns and bits rules select from."""
+    return [
+        f"model.layers.{i}.{s.name}" for i, kind in enumerate(config.mixer_types) for s in layer_linears(config, kind)
+    ]
+
+
+def unmatched(patterns: list[re.Pattern[str]], names: list[str]) -> int | None:
+    """Index of the first pattern that matches (``re.search``) none of ``names``, or None. A pattern that
+    selects no linear is a typo: the run it belongs to would quietly be another run than the one asked for."""
+    return next((k for k, p in enumerate(patterns) if not any(p.search(n) for n in names)), None)
+
+
+def no_match(what: str, pattern: str, names: list[str]) -> str:
+    """The refusal of a pattern that matches none of ``names``: what follows from it, what names look like."""
+    return (
+        f"{what} '{pattern}' matches no linear of this model, so it would change nothing (patterns are regular "
+        f"expressions searched in names such as {names[0]} or {names[-1]})"
+    )
 
 
 def fused_name(name: str) -> str | None:

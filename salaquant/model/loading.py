@@ -10,7 +10,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import SalaConfig
-from .layout import global_parameter_shapes, layer_parameter_shapes, parameter_shapes
+from .layout import derived_tensor, global_parameter_shapes, layer_parameter_shapes, parameter_shapes
 from .modeling import DecoderLayer, SalaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -36,27 +36,78 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _nonfinite_message(reader: CheckpointReader, name: str, count: int, first: list[int]) -> str:
+    file = reader.path / reader.shard_of(name) if name in reader else reader.path
+    return f"{file}: tensor {name} holds NaN or Inf ({count} value(s), the first at {first}): the checkpoint is damaged"
+
+
 def require_finite(reader: CheckpointReader, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (read as ``name``) unchanged, or a `CheckpointError` naming it and its first NaN/Inf entry."""
+    """``tensor`` (read as ``name``) unchanged, or a `CheckpointError` naming it and its first NaN/Inf entry.
+    The loaders of whole checkpoints (``generate``, ``eval``, the eval gate) check every tensor they read."""
     if not tensor.is_floating_point():
         return tensor
     values = tensor if tensor.dtype.itemsize > 1 else tensor.float()  # float8: isfinite needs a wider type
     bad = ~torch.isfinite(values)
     if bool(bad.any()):
         where = [int(i) for i in bad.nonzero()[0]]
-        count = int(bad.sum())
-        file = reader.path / reader.shard_of(name) if name in reader else reader.path
-        raise CheckpointError(
-            f"{file}: tensor {name} holds NaN or Inf ({count} value(s), the first at "
-            f"{where}): the checkpoint is damaged"
-        )
+        raise CheckpointError(_nonfinite_message(reader, name, int(bad.sum()), where))
     return tensor
+
+
+SCAN_BLOCK_BYTES = 64 * 2**20
+"""Bytes `check_finite` reads at a time: its memory, whatever the size of a tensor."""
+SCAN_PROGRESS_BYTES = 2 * 10**9
+"""Checkpoints from this size on show `check_finite`'s progress (a few seconds of reading and more)."""
+
+
+def check_finite(reader: CheckpointReader) -> None:
+    """Refuse a checkpoint with a NaN or Inf in a floating tensor, naming the first such tensor (in file order),
+    its count of bad values and the index of the first.
+
+    The quantizers run this before the calibration data is read, so a damaged weight of the last layer fails
+    the run in seconds instead of after every layer before it. Tensors are read in file order, in blocks of
+    `SCAN_BLOCK_BYTES` into one buffer (memory stays at that size). A block's minimum and maximum, which NaN
+    and Inf propagate into, is the fast test; only a block that fails it is searched for the bad values."""
+    from ..progress import Phases
+    from ..summary import human_bytes
+
+    names = [n for n in reader if reader.dtype(n).is_floating_point]
+    names.sort(key=lambda n: (reader.shard_of(n), reader.offset(n)))
+    total = sum(reader.nbytes(n) for n in names)
+    buffer = torch.empty(SCAN_BLOCK_BYTES, dtype=torch.uint8)
+    what = f"checking {human_bytes(total)} of weights for NaN/Inf"
+    with Phases(enabled=total >= SCAN_PROGRESS_BYTES) as phases, phases.phase(what, len(names)) as step:
+        for name in names:
+            bad = _nonfinite(reader, name, buffer)
+            if bad is not None:
+                raise CheckpointError(_nonfinite_message(reader, name, *bad))
+            step()
+
+
+def _nonfinite(reader: CheckpointReader, name: str, buffer: torch.Tensor) -> tuple[int, list[int]] | None:
+    """``(count, index of the first)`` of the NaN/Inf values of tensor ``name``, or None when it has none."""
+    count, first, seen = 0, -1, 0
+    for block in reader.blocks(name, buffer):
+        values = block if block.dtype.itemsize > 1 else block.float()  # float8: no min/max of its own
+        if values.numel():
+            lo, hi = torch.aminmax(values)
+            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                bad = ~torch.isfinite(values)
+                count += int(bad.sum())
+                if first < 0:
+                    first = seen + int(bad.nonzero()[0, 0])
+        seen += values.numel()
+    if not count:
+        return None
+    shape = reader.shape(name)
+    return count, [int(i) for i in torch.unravel_index(torch.tensor(first), shape)] if shape else []
 
 
 def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
     """Check a bf16 source from its config and safetensors headers alone (no tensor data is read): a SALA
-    config, no ``quantization_config``, every tensor the layout implies present with its shape and a float dtype.
-    About a second for the full model; the quantizers run it before any data or model work."""
+    config, no ``quantization_config``, every tensor the layout implies present with its shape and a float dtype,
+    and no tensor it does not have. About a second for the full model; the quantizers run it before any data or
+    model work (and `check_finite` after it)."""
     config = SalaConfig.from_file(path)
     reader = CheckpointReader(path)
     qc = reader.config().get("quantization_config")
@@ -79,7 +130,23 @@ def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
                 f"{reader.path / reader.shard_of(name)}: tensor {name} has dtype {reader.dtype(name)}, expected "
                 "bfloat16, float16 or float32"
             )
+    _refuse_unexpected(reader, config)
     return reader, config
+
+
+def _refuse_unexpected(reader: CheckpointReader, config: SalaConfig) -> None:
+    """Refuse tensors the architecture does not have: no run reads them and the export would drop them without
+    a word (a checkpoint of another model, or a config.json with fewer layers than the weights). The tensors
+    `derived_tensor` names, which some writers store and every loader rebuilds, are accepted."""
+    expected = parameter_shapes(config)
+    extra = [n for n in reader if n not in expected and not derived_tensor(config, n)]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else "")
+        raise CheckpointError(
+            f"{reader.path}: {len(extra)} tensor(s) that a MiniCPM-SALA model of this config.json does not have "
+            f"(no run would read them, no export would keep them): {shown}; pass a checkpoint whose config.json "
+            "describes all of its weights"
+        )
 
 
 def _fill(

@@ -14,11 +14,16 @@ import re
 from dataclasses import dataclass, field
 
 from ..model.config import SPARSE, SalaConfig
-from ..model.layout import FUSED_PARAMETERS, exclusion_block, layer_linears
+from ..model.layout import FUSED_PARAMETERS, exclusion_block, layer_linears, linear_names, no_match, unmatched
 
 
 class NVFP4PlanError(ValueError):
-    """An impossible exclusion plan; the message names the pattern and the modules."""
+    """An impossible exclusion plan; the message names the pattern and the modules (``exclude``: the offending
+    pattern, by index)."""
+
+    def __init__(self, message: str, exclude: int | None = None) -> None:
+        super().__init__(message)
+        self.exclude = exclude
 
 
 @dataclass
@@ -50,11 +55,15 @@ class NVFP4Plan:
 
 def build_nvfp4_plan(config: SalaConfig, dense_all: bool = False, exclude: tuple[str, ...] = ()) -> NVFP4Plan:
     patterns = []
-    for pat in exclude:
+    for k, pat in enumerate(exclude):
         try:
             patterns.append(re.compile(pat))
         except re.error as exc:
-            raise NVFP4PlanError(f"--exclude {pat!r}: not a valid regular expression ({exc})") from exc
+            raise NVFP4PlanError(f"--exclude {pat!r}: not a valid regular expression ({exc})", exclude=k) from exc
+    names = linear_names(config)
+    k = unmatched(patterns, names)
+    if k is not None:
+        raise NVFP4PlanError(no_match("--exclude", exclude[k], names), exclude=k)
     quantized: set[str] = set()
     excluded: set[str] = set()
     notes: list[str] = []
