@@ -723,13 +723,21 @@ def check(
     model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,
 ) -> None:
-    """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups)."""
+    """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups).
+
+    Exit status: 0 the checkpoint passes, 1 it fails the format requirements (every problem listed), 2 bad input
+    (a missing folder, an unreadable or corrupt file, a bad flag).
+    """
     from .formats.check import CheckError, check_checkpoint
 
+    if tp < 1:
+        fail(f"--tp {tp}: expected a number >= 1")
     try:
         report = check_checkpoint(model, tp=tp)
-    except (CheckError, CheckpointError, FileNotFoundError) as exc:
+    except CheckError as exc:
         fail(str(exc), code=1)
+    except (CheckpointError, ConfigError, OSError) as exc:
+        fail(str(exc))
     console.print(
         f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
         f"{len(report.unquantized)} kept in 16 bits"

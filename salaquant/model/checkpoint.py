@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriter",
+    "read_json_object",
     "remove_stale_staging",
     "replace_folder",
     "save_state_dict",
@@ -114,6 +115,18 @@ for _st_name, _torch_name in (
 
 class CheckpointError(ValueError):
     """A checkpoint folder, file or tensor cannot be read or written as asked."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a config or tokenizer file of a checkpoint); `CheckpointError` naming the file
+    when it cannot be read, is not UTF-8 JSON or holds something other than an object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: top level is not a JSON object")
+    return obj
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,14 +387,7 @@ class CheckpointReader:
     def config(self) -> dict[str, Any]:
         """Parsed ``config.json`` (cached; a copy is returned)."""
         if self._config is None:
-            config_path = self.path / CONFIG_NAME
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{config_path}: cannot parse: {exc}") from exc
-            if not isinstance(config, dict):
-                raise CheckpointError(f"{config_path}: top level is not a JSON object")
-            self._config = config
+            self._config = read_json_object(self.path / CONFIG_NAME)
         return json.loads(json.dumps(self._config))
 
     # -- loading -----------------------------------------------------------------------------
