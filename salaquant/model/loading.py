@@ -57,8 +57,8 @@ def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
     """Check a bf16 source from its config and safetensors headers alone (no tensor data is read): a SALA
     config, no ``quantization_config``, every tensor the layout implies present with its shape and a float dtype.
     About a second for the full model; the quantizers run it before any data or model work."""
+    reader = CheckpointReader(path)  # first: a path that is not a checkpoint folder is named as such
     config = SalaConfig.from_file(path)
-    reader = CheckpointReader(path)
     qc = reader.config().get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
