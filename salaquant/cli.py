@@ -505,7 +505,7 @@ def generate(
     from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling
     from .runtime.decode import Decoder
-    from .runtime.load import checkpoint_format, load
+    from .runtime.load import checkpoint_format, load, open_checked
     from .workflow import load_tokenizer
 
     if attention not in ATTENTION_MODES:
@@ -514,9 +514,10 @@ def generate(
         fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     try:
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        dev = resolve_device(device)
+        open_checked(model, dev, backend)  # before the tokenizer and the prompts: the checks of check and eval
         tok = load_tokenizer(model)
         texts = [prompt] if prompts is None else load_prompts(prompts, tok)
-        dev = resolve_device(device)
         net = load(model, device=dev, backend=backend, kernels=attention_kernels)
     except (ValueError, CheckpointError, CalibrationError, RuntimeError, OSError) as exc:
         fail(str(exc))

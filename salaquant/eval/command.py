@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ..kernels.backend import check_backend
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
@@ -227,6 +228,7 @@ def run_eval(
     gates = thresholds or Thresholds()
     console = console or Console()
     opts.validate()
+    check_backend(opts.backend, resolve_device(opts.device))  # what loading the models would refuse, first
     quantized, reference = Path(quantized), Path(reference)
     qcfg, qreader = _config(quantized, "quantized checkpoint")
     rcfg, rreader = _config(reference, "--reference")
