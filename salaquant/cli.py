@@ -79,8 +79,21 @@ def tiny(
     overwrite: Overwrite = False,
 ) -> None:
     """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
+    import math
+
+    from .engine import resolve_device
     from .model.tiny import preset_config, write_random_checkpoint
 
+    if not (math.isfinite(std) and std > 0):
+        fail(f"--std {std}: expected a finite number above 0")
+    if not -(2**63) <= seed < 2**64:  # what torch's generator takes
+        fail(f"--seed {seed}: expected a number from -2**63 to 2**64 - 1")
+    try:
+        shard_bytes = parse_size(shard_size)
+    except ValueError as exc:
+        fail(f"--shard-size: {exc}")
+    if shard_bytes < 1:
+        fail(f"--shard-size {shard_size}: expected a size above 0")
     try:
         cfg = preset_config(preset)
         path = write_random_checkpoint(
@@ -88,8 +101,8 @@ def tiny(
             cfg,
             seed=seed,
             std=std,
-            device=device,
-            max_shard_bytes=parse_size(shard_size),
+            device=str(resolve_device(device)),
+            max_shard_bytes=shard_bytes,
             overwrite=overwrite,
         )
     except (ValueError, CheckpointError) as exc:

@@ -33,7 +33,7 @@ def parse_size(text: str) -> int:
         if t.endswith(unit):
             try:
                 return int(float(t[: -len(unit)]) * mult)
-            except ValueError:
+            except (ValueError, OverflowError):  # not a number, or NaN / inf
                 break
     if t.isdigit():
         return int(t)
