@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
+from ..atomic import naming
 from ..safetensors_stream import write_safetensors
 
 __all__ = [
@@ -676,14 +677,19 @@ class CheckpointWriter:
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write ``obj`` as JSON (indent 2, key order kept) to ``name`` inside the output folder."""
-        rel = self._aux_target(name)
-        path = self.tmp_dir.joinpath(*rel.parts)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             text = json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{name}: object is not JSON serialisable: {exc}") from exc
-        path.write_text(text + "\n", encoding="utf-8")
+        return self.write_text(name, text + "\n")
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Write ``text`` (UTF-8) to ``name`` inside the output folder; a failed write names the file."""
+        rel = self._aux_target(name)
+        path = self.tmp_dir.joinpath(*rel.parts)
+        with naming(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
         self._extra_files.add(rel.as_posix())
         return self.out_dir.joinpath(*rel.parts)
 
@@ -735,7 +741,8 @@ class CheckpointWriter:
                 "metadata": {"total_size": sum(self._sizes.values())},
                 "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
             }
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            with naming(tmp / INDEX_NAME):
+                (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         self._move_into_place(tmp)
         self._closed = True
 
