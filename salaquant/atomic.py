@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Give an ``OSError`` raised while writing ``path`` that path when it names none: a ``write`` that fails on a
+    full disk reports only "No space left on device", and the message must say which file (and so which disk)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """``write`` into ``path.tmp``, then rename over ``path``; a failed write (a full disk) leaves no ``.tmp``."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        write(tmp)
+        with naming(tmp):
+            write(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -97,9 +97,22 @@ def tiny(
     overwrite: Overwrite = False,
 ) -> None:
     """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
+    import math
+
+    from .engine import resolve_device
     from .model.tiny import preset_config, write_random_checkpoint
     from .outputs import check_replace
 
+    if not (math.isfinite(std) and std > 0):
+        fail(f"--std {std}: expected a finite number above 0")
+    if not -(2**63) <= seed < 2**64:  # what torch's generator takes
+        fail(f"--seed {seed}: expected a number from -2**63 to 2**64 - 1")
+    try:
+        shard_bytes = parse_size(shard_size)
+    except ValueError as exc:
+        fail(f"--shard-size: {exc}")
+    if shard_bytes < 1:
+        fail(f"--shard-size {shard_size}: expected a size above 0")
     try:
         check_replace(out, overwrite, flag="")
         cfg = preset_config(preset)
@@ -108,8 +121,8 @@ def tiny(
             cfg,
             seed=seed,
             std=std,
-            device=device,
-            max_shard_bytes=parse_size(shard_size),
+            device=str(resolve_device(device)),
+            max_shard_bytes=shard_bytes,
             overwrite=overwrite,
         )
     except (ValueError, CheckpointError) as exc:
@@ -525,7 +538,7 @@ def generate(
     from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling
     from .runtime.decode import Decoder
-    from .runtime.load import checkpoint_format, load
+    from .runtime.load import checkpoint_format, load, open_checked
     from .workflow import load_tokenizer
 
     if attention not in ATTENTION_MODES:
@@ -534,9 +547,10 @@ def generate(
         fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     try:
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        dev = resolve_device(device)
+        open_checked(model, dev, backend)  # before the tokenizer and the prompts: the checks of check and eval
         tok = load_tokenizer(model)
         texts = [prompt] if prompts is None else load_prompts(prompts, tok)
-        dev = resolve_device(device)
         net = load(model, device=dev, backend=backend, kernels=attention_kernels)
     except (ValueError, CheckpointError, CalibrationError, RuntimeError, OSError) as exc:
         fail(str(exc))
@@ -750,13 +764,21 @@ def check(
     model: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to validate shard shapes for.")] = 1,
 ) -> None:
-    """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups)."""
+    """Verify that a quantized checkpoint has what vLLM / SGLang need (formats, shapes, fused groups).
+
+    Exit status: 0 the checkpoint passes, 1 it fails the format requirements (every problem listed), 2 bad input
+    (a missing folder, an unreadable or corrupt file, a bad flag).
+    """
     from .formats.check import CheckError, check_checkpoint
 
+    if tp < 1:
+        fail(f"--tp {tp}: expected a number >= 1")
     try:
         report = check_checkpoint(model, tp=tp)
-    except (CheckError, CheckpointError, FileNotFoundError) as exc:
+    except CheckError as exc:
         fail(str(exc), code=1)
+    except (CheckpointError, ConfigError, OSError) as exc:
+        fail(str(exc))
     console.print(
         f"{model}: {report.format} checkpoint OK for tp={tp}: {len(report.quantized)} quantized linears, "
         f"{report.plain_summary()}"

@@ -96,15 +96,18 @@ def score_export(
 
 
 def _resolve(model: Path | None, calib: Path | None) -> tuple[Path, Path]:
-    model = model or SHIPPED_MODEL
-    calib = calib or SHIPPED_CALIB
-    for path, what, flag in ((model, "model", "--model"), (calib, "calibration set", "--calib")):
-        if not path.exists():
+    """The model and calibration set: those named by ``--model`` / ``--calib``, else the shipped ones; a path
+    that does not exist is refused as what it is (the user's, or a shipped file missing from an installed wheel)."""
+    choices = ((model, SHIPPED_MODEL, "model", "--model"), (calib, SHIPPED_CALIB, "calibration set", "--calib"))
+    for given, shipped, what, flag in choices:
+        if given is not None and not given.exists():
+            raise DemoError(f"{flag} {given}: no such file or folder")
+        if given is None and not shipped.exists():
             raise DemoError(
-                f"the shipped {what} is not at {path} (it ships in the source tree, not in the wheel): "
+                f"the shipped {what} is not at {shipped} (it ships in the source tree, not in the wheel): "
                 f"run from a checkout or pass {flag}"
             )
-    return model, calib
+    return model or SHIPPED_MODEL, calib or SHIPPED_CALIB
 
 
 def _prepare_output(out: Path | None, overwrite: bool, inputs: list[tuple[str, Path]], console: Console) -> Path:

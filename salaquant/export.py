@@ -89,14 +89,14 @@ def export_checkpoint(
         writer.write_json("config.json", raw)
         for name, obj in extra_files.items():
             if isinstance(obj, str):
-                (writer.tmp_dir / name).write_text(obj)
+                writer.write_text(name, obj)
             else:
                 writer.write_json(name, obj)
         writer.copy_aux(source)
         card = writer.tmp_dir / CARD_NAME
         source_card = card.read_text(encoding="utf-8") if card.is_file() else ""
-        card.write_text(model_card(qconfig["quant_method"], source_card), encoding="utf-8")
+        writer.write_text(CARD_NAME, model_card(qconfig["quant_method"], source_card))
         log = result.work_dir / "log.txt"
         if log.exists():
-            (writer.tmp_dir / LOG_NAME).write_text(log.read_text())
+            writer.write_text(LOG_NAME, log.read_text())
     return output

@@ -230,10 +230,23 @@ def resolve_recipe_path(name_or_path: str | Path) -> Path:
     raise RecipeError(f"recipe {str(name_or_path)!r}: no such file and no shipped recipe of that name{hint}")
 
 
+def _recipe_text(path: Path) -> str:
+    """The text of recipe file ``path``; `RecipeError` for a folder, an unreadable file or one that is not UTF-8
+    text (a binary given by mistake), before YAML sees it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(
+            f"{path}: not a recipe (not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from exc
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from exc
+
+
 def load_recipe(name_or_path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem is reported with file and line."""
     path = resolve_recipe_path(name_or_path)
-    text = path.read_text()
+    text = _recipe_text(path)
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)

@@ -18,6 +18,8 @@ from typing import BinaryIO
 
 import torch
 
+from .atomic import naming
+
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -69,7 +71,7 @@ def write_safetensors(
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian data; this writer copies host bytes as they are")
     header = _header(tensors, metadata)
-    with open(path, "wb") as f:
+    with naming(Path(path)), open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for t in tensors.values():

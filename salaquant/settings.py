@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
         if size is None and t.endswith(unit):
             try:
                 size = int(float(t[: -len(unit)]) * mult)
-            except ValueError:
+            except (ValueError, OverflowError):  # not a number, or NaN / inf
                 break
     if size is None or size <= 0:
         raise ValueError(f"size {text!r}: {SIZE_EXPECTED}")

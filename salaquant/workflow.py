@@ -9,6 +9,7 @@ from rich.console import Console
 
 from .calib_data import CalibOptions, CalibSet, load_calibration
 from .distributed import Ranks, barrier, from_environment
+from .model.checkpoint import CheckpointError, read_json_object
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
 from .model.loading import check_finite, validate_source
@@ -59,12 +60,43 @@ def statistics_bytes(config: SalaConfig, hessian: bool) -> int:
     return total
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+"""The files a checkpoint's tokenizer is built from (the fast tokenizer's JSON, or a SentencePiece model)."""
+
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""The tokenizer's JSON files, each parsed before transformers reads it so that a corrupt one is named."""
+
+
 def load_tokenizer(model: Path) -> Any:
+    """The tokenizer of checkpoint folder ``model``, as transformers' ``AutoTokenizer`` builds it. Every command that
+    tokenizes reads it here: a path that is not a folder, a missing tokenizer file, or a tokenizer file that is not
+    a JSON object is refused naming the file (`CheckpointError`), before transformers turns it into a message of
+    its own without the path."""
     from transformers import AutoTokenizer
 
     from .model import hf  # noqa: F401  (AutoTokenizer reads config.json)
 
-    return AutoTokenizer.from_pretrained(model)
+    folder = Path(model)
+    if not folder.is_dir():
+        what = f"path {folder} is not a folder" if folder.exists() else f"folder {folder} does not exist"
+        raise CheckpointError(f"checkpoint {what}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{folder / TOKENIZER_FILES[0]} is missing: the checkpoint's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json) belong beside its config.json"
+        )
+    present = [name for name in dict.fromkeys((*TOKENIZER_JSON, *TOKENIZER_FILES)) if (folder / name).exists()]
+    for name in TOKENIZER_JSON:
+        if name in present:
+            read_json_object(folder / name)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # transformers and tokenizers raise many types (tokenizers: bare Exception)
+        detail = " ".join(str(exc).split())
+        files = ", ".join(present)
+        raise CheckpointError(
+            f"{folder}: cannot build the tokenizer from {files} ({type(exc).__name__}: {detail})"
+        ) from exc
 
 
 def prepare_calibration(model: Path, sources: list[str], options: CalibOptions, console: Console) -> CalibSet:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ..kernels.backend import check_backend
 from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
@@ -256,6 +257,7 @@ def run_eval(
     gates = thresholds or Thresholds()
     console = console or Console()
     opts.validate()
+    check_backend(opts.backend, resolve_device(opts.device))  # what loading the models would refuse, first
     quantized, reference = Path(quantized), Path(reference)
     qcfg, qreader = _config(quantized, "quantized checkpoint")
     rcfg, rreader = _config(reference, "--reference")
@@ -277,8 +279,10 @@ def run_eval(
     if opts.attention == "sparse" and qcfg.sparse_config is None:
         raise EvalInputError(f"--attention sparse: {quantized}/config.json has no sparse_config")
     niah_lengths = opts.niah_lengths
+    notes: list[str] = []
     if niah_lengths is None:
-        niah_lengths = [qcfg.dense_len, 4 * qcfg.dense_len] if qcfg.dense_len is not None else []
+        niah_lengths = _auto_niah_lengths(qcfg, quantized, notes)
+    _check_positions(opts, niah_lengths, qcfg, quantized)
     _gate_needs(gates, opts, niah_lengths)
     folder = _report_dir(Path(report_dir), quantized, reference) if report_dir is not None else None
     has_tokenizer = any((reference / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -316,14 +320,10 @@ def run_eval(
         prompts = gen.load_prompts(Path(opts.prompts_file), tokenizer)
     else:
         prompts = list(opts.prompts) if opts.prompts is not None else list(gen.BUILTIN_PROMPTS[: opts.gen_prompts])
-    notes: list[str] = []
     if len(wins) < opts.windows:
         notes.append(
             f"the data holds {len(wins)} windows of {opts.max_len} tokens, fewer than --windows {opts.windows}"
         )
-    too_long = [n for n in niah_lengths if n > qcfg.max_position_embeddings]
-    if too_long:
-        notes.append(f"NIAH lengths {too_long} exceed max_position_embeddings {qcfg.max_position_embeddings}")
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {"prepare": t0 - started}
@@ -440,6 +440,41 @@ def run_eval(
 
 def _first(x: int | list[int] | None) -> int | None:
     return x[0] if isinstance(x, list) and x else x if isinstance(x, int) else None
+
+
+def _auto_niah_lengths(config: SalaConfig, path: Path, notes: list[str]) -> list[int]:
+    """``--niah auto``: dense_len and 4 x dense_len (none without a sparse_config), those the model's positions
+    hold; a length left out is noted in the report."""
+    if config.dense_len is None:
+        return []
+    limit = config.max_position_embeddings
+    lengths = [config.dense_len, 4 * config.dense_len]
+    left_out = [n for n in lengths if n > limit]
+    if left_out:
+        notes.append(f"--niah auto: {left_out} left out, past max_position_embeddings {limit} of {path}/config.json")
+    return [n for n in lengths if n <= limit]
+
+
+def _check_positions(opts: EvalOptions, niah_lengths: Sequence[int], config: SalaConfig, path: Path) -> None:
+    """Refuse a window, NIAH or task length past the model's ``max_position_embeddings`` (the positions it was
+    built for), before the tokenizer or a model is loaded: a prompt of 2M tokens asks the attention for terabytes."""
+    limit = config.max_position_embeddings
+    asked = [("--max-len", [opts.max_len]), ("--niah", niah_lengths), ("--lengths", opts.task_lengths or [])]
+    for flag, lengths in asked:
+        for n in lengths:
+            if n > limit:
+                raise EvalInputError(
+                    f"{flag} {_tokens(n)}: longer than the model's {limit} positions (max_position_embeddings "
+                    f"in {path}/config.json)"
+                )
+
+
+def _tokens(n: int) -> str:
+    """``n`` tokens as a length flag takes them (``65536`` -> ``64k``, ``2097152`` -> ``2m``)."""
+    for unit, size in (("m", 1024 * 1024), ("k", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def _gate_needs(gates: Thresholds, opts: EvalOptions, niah_lengths: Sequence[int]) -> None:

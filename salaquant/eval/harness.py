@@ -1,7 +1,8 @@
 """An lm-evaluation-harness model backend on the runtime: ``--model salaquant --model_args pretrained=EXPORT,...``.
 
-Importing this module registers ``salaquant`` in lm-eval's model registry; the ``salaquant-lm-eval`` command is
-lm-eval's own command line with it registered (``lm-eval`` is the optional extra ``salaquant[lm-eval]``).
+Importing this module registers ``salaquant`` in lm-eval's model registry; the ``salaquant-lm-eval`` command
+(``eval.lm_eval_command``, which names the extra when lm-eval is missing) runs `main`: lm-eval's own command line
+with it registered (``lm-eval`` is the optional extra ``salaquant[lm-eval]``).
 The three request types run on the model ``salaquant.runtime.load`` builds (bf16, GPTQ or NVFP4, on the same
 kernels as ``salaquant eval``):
 

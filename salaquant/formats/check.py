@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..model.checkpoint import CheckpointError, CheckpointReader
+from ..model.checkpoint import CheckpointReader
 from ..model.config import ConfigError, SalaConfig
 from ..model.layout import parameter_shapes
 from ..serving import serving_lines
@@ -34,15 +34,14 @@ CHECKERS: dict[str, Callable[[CheckpointReader, dict[str, Any], int], CheckRepor
 def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
     """Check the quantized checkpoint folder ``path`` for tensor-parallel size ``tp``.
 
-    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise.
+    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise. A folder that cannot be read (it
+    is missing, or a file it needs is unreadable or corrupt) raises `CheckpointError` instead: bad input, not a
+    checkpoint that fails the format's rules.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise CheckError(f"tp={tp!r}: tensor-parallel size must be a positive integer")
-    try:
-        reader = CheckpointReader(path)
-        config = reader.config()
-    except CheckpointError as exc:
-        raise CheckError(str(exc)) from exc
+    reader = CheckpointReader(path)
+    config = reader.config()
     qconfig = config.get("quantization_config")
     if qconfig is None:
         raise CheckError(f"{Path(path) / 'config.json'}: no quantization_config (not a quantized checkpoint?)")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
 from torch import Tensor
 
 from . import device
 
-__all__ = ["BACKENDS", "DEQUANT_MIN_M", "use_triton"]
+__all__ = ["BACKENDS", "DEQUANT_MIN_M", "check_backend", "use_triton"]
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -44,3 +45,20 @@ def use_triton(backend: str, *tensors: Tensor, fits: bool = True) -> bool:
     if not on_cuda and not device.INTERPRET:
         raise RuntimeError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return True
+
+
+def check_backend(backend: str, where: torch.device) -> None:
+    """Refuse, before a model is loaded, a ``--backend`` that `use_triton` would refuse at its first kernel call:
+    an unknown name, ``"triton"`` without Triton installed, or ``"triton"`` on a CPU outside the interpreter. The
+    ``ValueError`` names the flag and what to pass instead."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: expected {', '.join(BACKENDS)}")
+    if backend != "triton":
+        return
+    if not _TRITON_INSTALLED:
+        raise ValueError("--backend triton: Triton is not installed (pip install 'salaquant[triton]')")
+    if where.type != "cuda" and not device.INTERPRET:
+        raise ValueError(
+            f"--backend triton: the Triton kernels need a CUDA device and this run is on {where}; pass "
+            "--backend reference (or auto), or set TRITON_INTERPRET=1 to interpret them on the CPU (slow)"
+        )

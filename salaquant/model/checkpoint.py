@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as _st_save
 
+from ..atomic import naming
 from ..safetensors_stream import write_safetensors
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriter",
+    "read_json_object",
     "remove_stale_staging",
     "replace_folder",
     "save_state_dict",
@@ -120,6 +122,18 @@ for _st_name, _torch_name in (
 
 class CheckpointError(ValueError):
     """A checkpoint folder, file or tensor cannot be read or written as asked."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a config or tokenizer file of a checkpoint); `CheckpointError` naming the file
+    when it cannot be read, is not UTF-8 JSON or holds something other than an object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: top level is not a JSON object")
+    return obj
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,14 +463,7 @@ class CheckpointReader:
     def config(self) -> dict[str, Any]:
         """Parsed ``config.json`` (cached; a copy is returned)."""
         if self._config is None:
-            config_path = self.path / CONFIG_NAME
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"{config_path}: cannot parse: {exc}") from exc
-            if not isinstance(config, dict):
-                raise CheckpointError(f"{config_path}: top level is not a JSON object")
-            self._config = config
+            self._config = read_json_object(self.path / CONFIG_NAME)
         return json.loads(json.dumps(self._config))
 
     # -- loading -----------------------------------------------------------------------------
@@ -755,14 +762,19 @@ class CheckpointWriter:
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write ``obj`` as JSON (indent 2, key order kept) to ``name`` inside the output folder."""
-        rel = self._aux_target(name)
-        path = self.tmp_dir.joinpath(*rel.parts)
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             text = json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{name}: object is not JSON serialisable: {exc}") from exc
-        path.write_text(text + "\n", encoding="utf-8")
+        return self.write_text(name, text + "\n")
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Write ``text`` (UTF-8) to ``name`` inside the output folder; a failed write names the file."""
+        rel = self._aux_target(name)
+        path = self.tmp_dir.joinpath(*rel.parts)
+        with naming(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
         self._extra_files.add(rel.as_posix())
         return self.out_dir.joinpath(*rel.parts)
 
@@ -814,7 +826,8 @@ class CheckpointWriter:
                 "metadata": {"total_size": sum(self._sizes.values())},
                 "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
             }
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            with naming(tmp / INDEX_NAME):
+                (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         self._move_into_place(tmp)
         self._closed = True
 

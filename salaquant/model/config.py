@@ -259,15 +259,22 @@ class SalaConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> SalaConfig:
+        """The config of a checkpoint folder, or of the JSON file ``path`` names. A file that is not JSON text (a
+        weights file, say) is refused as what it is, not as a config that fails to parse."""
         path = Path(path)
+        given_file = path.is_file()
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: no config.json found")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if given_file and path.name != "config.json":
+                raise ConfigError(f"{path} is not a checkpoint folder or its config.json ({exc})") from exc
             raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from exc
         try:
             return cls.from_dict(raw)
         except ConfigError as exc:

@@ -108,8 +108,8 @@ def validate_source(path: str | Path) -> tuple[CheckpointReader, SalaConfig]:
     config, no ``quantization_config``, every tensor the layout implies present with its shape and a float dtype,
     and no tensor it does not have. About a second for the full model; the quantizers run it before any data or
     model work (and `check_finite` after it)."""
+    reader = CheckpointReader(path)  # first: a path that is not a checkpoint folder is named as such
     config = SalaConfig.from_file(path)
-    reader = CheckpointReader(path)
     qc = reader.config().get("quantization_config")
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.checkpoint import CheckpointReader
-from ..model.config import SalaConfig
+from ..kernels.backend import check_backend
+from ..model.checkpoint import CheckpointError, CheckpointReader
+from ..model.config import ConfigError, SalaConfig
 from ..model.layers import RMSNorm
 from ..model.layout import parameter_shapes
 from ..model.loading import _check_keys, require_finite, resolve_dtype
@@ -42,6 +43,31 @@ def checkpoint_format(reader: CheckpointReader) -> str:
     if method == "modelopt" and "FP4" in str(qc.get("quant_algo", "")):
         return "nvfp4"
     raise ValueError(f"{reader.path}: quantization_config.quant_method {method!r} is not supported by the runtime")
+
+
+def open_checked(
+    path: str | Path, device: torch.device, backend: str = "auto"
+) -> tuple[CheckpointReader, SalaConfig, str]:
+    """What `load` checks before it reads a tensor, for a command to run before any other work: ``backend`` on
+    ``device`` (`check_backend`), a SALA config, a format the runtime serves, and every tensor against the shape
+    ``config.json`` implies (the checks ``salaquant check`` and ``eval`` run: a served model is built from the
+    config, so an export whose config disagrees with its tensors must not load). Returns the reader, the config and
+    the format; `CheckpointError` / `ConfigError` / `ValueError` name the folder, file or flag."""
+    from ..formats.check import config_problems
+
+    check_backend(backend, device)
+    reader = CheckpointReader(path)
+    raw = reader.config()
+    try:
+        config = SalaConfig.from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{reader.path / 'config.json'}: {exc}") from exc
+    fmt = checkpoint_format(reader)
+    problems = config_problems(reader, raw)
+    if problems:
+        more = f"; ... ({len(problems)} in all)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{reader.path}: the tensors disagree with config.json: {'; '.join(problems[:3])}{more}")
+    return reader, config, fmt
 
 
 def use_layer_kernels(layer: nn.Module, backend: str = "auto") -> None:
@@ -89,9 +115,7 @@ def load(
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    reader = CheckpointReader(path)
-    config = SalaConfig.from_dict(reader.config())
-    fmt = checkpoint_format(reader)
+    reader, config, fmt = open_checked(path, torch.device(device), backend)
     if activations == "fp4":
         try:
             resolve_activations(activations, fmt)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 from typing import Any
 
 import torch
 
-from ...model.checkpoint import CheckpointReader
+from ...model.checkpoint import CheckpointReader, read_json_object
 from ...model.config import SalaConfig
 from ...model.layout import FUSED_PARAMETERS, layer_linears
 from ..report import CheckReport, fail
@@ -55,7 +54,10 @@ def check_modelopt(reader: CheckpointReader, config: dict[str, Any], tp: int) ->
         excl = []
     hf_path = reader.path / "hf_quant_config.json"
     if hf_path.exists():
-        nested = json.loads(hf_path.read_text()).get("quantization", {})
+        nested = read_json_object(hf_path).get("quantization", {})
+        if not isinstance(nested, dict):
+            errors.append("hf_quant_config.json: quantization is not a JSON object")
+            nested = {}
         for key in ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules"):
             if key not in nested:
                 errors.append(f"hf_quant_config.json: quantization.{key} is missing (vLLM requires the key)")
