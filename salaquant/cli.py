@@ -111,8 +111,6 @@ def tiny(
         shard_bytes = parse_size(shard_size)
     except ValueError as exc:
         fail(f"--shard-size: {exc}")
-    if shard_bytes < 1:
-        fail(f"--shard-size {shard_size}: expected a size above 0")
     try:
         check_replace(out, overwrite, flag="")
         cfg = preset_config(preset)

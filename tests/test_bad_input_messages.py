@@ -132,7 +132,7 @@ def test_tiny_refuses_bad_options_naming_the_flag(tmp_path: Path) -> None:
         (["--std", "nan"], "--std nan"),
         (["--device", "gpu"], "--device 'gpu'"),
         (["--device", "cuda:99"], "--device cuda:99"),
-        (["--shard-size", "0"], "--shard-size 0: expected a size above 0"),
+        (["--shard-size", "0"], "--shard-size: size '0': expected a size above zero"),
         (["--shard-size", "infGB"], "--shard-size"),
         (["--seed", str(2**64)], f"--seed {2**64}"),
     ]
