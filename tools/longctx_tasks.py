@@ -77,10 +77,10 @@ SYLLABLES = (
 )  # fmt: skip
 """Syllables of made-up names and coded words (closed syllables and clusters: not eval's consonant-vowel words)."""
 NOUNS = (
-    "lamp", "boat", "garden", "window", "wagon", "kitten", "castle", "river", "bell", "forest", "clock", "farmer",
+    "lamp", "boat", "garden", "window", "wagon", "kitten", "castle", "mill", "bell", "forest", "clock", "farmer",
     "baker", "candle", "bridge", "letter", "horse", "market", "harbour", "chapel", "orchard", "shepherd", "cottage",
 )  # fmt: skip
-ADJECTIVES = ("quiet", "old", "bright", "narrow", "heavy", "gentle", "busy", "cold", "empty", "tall", "dusty", "calm")
+ADJECTIVES = ("still", "old", "bright", "narrow", "heavy", "gentle", "busy", "cold", "empty", "tall", "dusty", "calm")
 PLACES = (
     "near the mill", "by the gate", "on the hill", "in the valley", "at the fair", "across the field",
     "beside the well", "under the bridge", "along the lane", "behind the barn",
