@@ -65,6 +65,14 @@ def test_deterministic_and_sized(gen: lt.TaskGenerator) -> None:
         assert p.ids.size == n and p.mask.size == n
 
 
+def test_dense_keyed_instances_fit_every_length(gen: lt.TaskGenerator) -> None:
+    dense = lt.TaskGenerator(gen.enc.tok, gen.corpus, 1, 2, seed=9, max_keys=32, max_questions=12)
+    for n in (512, 661, 1024, 2048):
+        for index in range(30):
+            s = dense.packed(index, n)
+            assert s.ids.size == n and s.mask.any()
+
+
 @pytest.mark.parametrize("index", range(6))
 def test_keyed_answers_are_the_stated_values(gen: lt.TaskGenerator, index: int) -> None:
     s = gen.make(index, 2048, "kv")

@@ -117,7 +117,7 @@ def main() -> None:
         out["parity"] = [parity(ckpt, n, dev) for n in (1024, 4096)]
         print(json.dumps(out["parity"], indent=1), flush=True)
         if not args.no_speed:
-            model = load_model(ckpt, device=dev, dtype=torch.float32)
+            model = load_model(ckpt, device=dev, dtype=torch.float32).requires_grad_(True)
             params = sum(p.numel() for p in model.parameters())
             ref = speed(model, False, args.batch, args.seq_len, max(2, args.steps // 2), dev)
             fast = speed(model, True, args.batch, args.seq_len, args.steps, dev)

@@ -221,7 +221,10 @@ class TaskGenerator:
         seed: int,
         weights: dict[str, float] | None = None,
         ends: np.ndarray | None = None,
+        max_keys: int = 16,
+        max_questions: int = 4,
     ) -> None:
+        self.max_keys, self.max_questions = max_keys, max_questions
         self.enc = Encoder(tokenizer)
         self.corpus = corpus
         self.bos, self.eos = bos_id, eos_id
@@ -349,15 +352,16 @@ class TaskGenerator:
         return made_up_words(rng, count)
 
     def _kv(self, rng: random.Random, length: int) -> TaskSample:
-        many = min(16, max(1, length // 512))
+        many = min(self.max_keys, max(1, length // 512 if self.max_keys <= 16 else length // 64))
         n_keys = 1 if rng.random() < 0.3 else rng.randint(2, many) if many > 1 else 1
         keys = self._keys(rng, n_keys)
         vals = [value(rng) for _ in keys]
         kind = rng.choice(VALUE_KINDS)[0]
         tpl = rng.choice(KV_TEMPLATES)
         inserts = [Piece([(self._fill(tpl[0], k, v, kind), False)]) for k, v in zip(keys, vals, strict=True)]
-        asked = rng.sample(range(n_keys), min(n_keys, rng.randint(1, 4)))
-        inside = [i for i in range(n_keys) if i not in asked and rng.random() < 0.5][:4]
+        questions = max(1, min(self.max_questions, length // 256))  # each about 30 tokens with its answer
+        asked = rng.sample(range(n_keys), min(n_keys, rng.randint(1, questions)))
+        inside = [i for i in range(n_keys) if i not in asked and rng.random() < 0.5][:questions]
         for i in inside:
             inserts.append(Piece(self._qa(tpl[1], keys[i], vals[i], kind), after=i))
         tail = [Piece(self._qa(tpl[1], keys[i], vals[i], kind)) for i in asked]

@@ -43,13 +43,18 @@ from salaquant.model.modeling import init_weights, lm_logits
 BOS, EOS = 1, 2
 
 
-def parse_lengths(text: str) -> dict[int, float]:
-    """``"1024:1,4096:2"`` -> {1024: 1.0, 4096: 2.0} (row length -> weight of the steps at that length)."""
+def parse_weights(text: str) -> dict[str, float]:
+    """``"kv:2,chain:1"`` -> {"kv": 2.0, "chain": 1.0}."""
     out = {}
     for part in text.split(","):
-        n, _, w = part.partition(":")
-        out[int(n)] = float(w or 1)
+        name, _, w = part.partition(":")
+        out[name] = float(w or 1)
     return out
+
+
+def parse_lengths(text: str) -> dict[int, float]:
+    """``"1024:1,4096:2"`` -> {1024: 1.0, 4096: 2.0} (row length -> weight of the steps at that length)."""
+    return {int(n): w for n, w in parse_weights(text).items()}
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -96,7 +101,10 @@ class Batches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         tok = Tokenizer.from_file(str(self.args.tokenizer / "tokenizer.json"))
-        gen = TaskGenerator(tok, self.corpus, BOS, EOS, self.args.seed, ends=self.ends)
+        kinds = parse_weights(self.args.kinds) if self.args.kinds else None
+        gen = TaskGenerator(
+            tok, self.corpus, BOS, EOS, self.args.seed, kinds, self.ends, self.args.max_keys, self.args.max_questions
+        )
         step = self.start + wid
         while True:
             yield self.build(gen, step)
@@ -106,7 +114,7 @@ class Batches(torch.utils.data.IterableDataset):
 def step_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, lm_rows: int) -> torch.Tensor:
     """Mean next-token loss over the LM rows' tokens plus mean loss over the task rows' supervised tokens (logits
     only where a loss is taken)."""
-    normed = model.model(ids)
+    normed = model.model(ids, attention_mode="dense")
     target = mask[:, 1:]
     h = normed[:, :-1][target]
     y = ids[:, 1:][target]
@@ -127,7 +135,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="checkpoint folder written at the end of the call")
     ap.add_argument("--state", type=Path, default=Path("/tmp/sala-small-state.pt"))
     ap.add_argument("--resume-from", type=Path, help="checkpoint to continue from where --state is missing")
+    ap.add_argument("--init-from", type=Path, help="checkpoint whose weights start a new schedule (a curriculum stage)")
     ap.add_argument("--lengths", default="1024:1,2048:2,4096:3,8192:2,16384:2")
+    ap.add_argument("--kinds", default="", help='task weights, e.g. "kv:3,chain:1" (default: the generator\'s)')
+    ap.add_argument("--max-keys", type=int, default=16, help="keyed statements per kv instance at most")
+    ap.add_argument("--max-questions", type=int, default=4, help="questions per kv instance at most")
     ap.add_argument("--tokens-per-step", type=int, default=131072)
     ap.add_argument("--lm-share", type=float, default=0.25)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -174,6 +186,9 @@ def main() -> None:
         st = {k: summary[k] for k in st}
         model.load_state_dict(load_model(args.resume_from, device=dev, dtype=torch.float32).state_dict())
         print(f"resumed from {args.resume_from} (bf16 weights, fresh optimizer) at step {st['step']}")
+    elif args.init_from is not None:
+        model.load_state_dict(load_model(args.init_from, device=dev, dtype=torch.float32).state_dict())
+        print(f"new schedule from the weights of {args.init_from}")
     use_fast_path(model)
     model.train()
 
