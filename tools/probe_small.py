@@ -1,7 +1,8 @@
 """How well a checkpoint answers the training tasks themselves (``tools/longctx_tasks.py`` at a seed never trained
 on): per kind and length, the share of supervised tokens whose argmax is right (teacher forced) and the share of
 instances whose whole answer is. Tells a model that never learned a task from one that does not carry it over to
-eval's phrasings.
+eval's phrasings. A ``copy`` row scores the plainest retrieval of all: random tokens repeated once, the second copy
+predicted (an induction circuit gets it near 1).
 
   python tools/probe_small.py CKPT --corpus work_data/corpus/heldout_tokens.u16.npy --lengths 1024,4096
 """
@@ -21,6 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from longctx_tasks import KINDS, TaskGenerator
 
 from salaquant.model.loading import load_model
+
+
+def copy_accuracy(model: torch.nn.Module, length: int, seed: int, dev: torch.device) -> float:
+    """Argmax accuracy on the second half of ``[BOS] x x`` for random tokens ``x`` (ids 3..4095)."""
+    half = (length - 1) // 2
+    x = torch.randint(3, 4096, (2, half), generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([torch.ones(2, 1, dtype=torch.long), x, x], dim=1).to(dev)
+    with torch.no_grad():
+        pred = model(ids, attention_mode="auto").logits[:, half + 1 : -1].argmax(-1).cpu()
+    return float((pred == x[:, 1:]).float().mean())
 
 
 def main() -> None:
@@ -51,6 +62,8 @@ def main() -> None:
                 right, total, whole = right + int(ok.sum()), total + ok.size, whole + int(ok.all())
             rows.append({"kind": kind, "length": n, "token_acc": right / total, "whole": whole / args.samples})
             print(json.dumps(rows[-1]), flush=True)
+        rows.append({"kind": "copy", "length": n, "token_acc": copy_accuracy(model, n, args.seed, dev)})
+        print(json.dumps(rows[-1]), flush=True)
 
 
 if __name__ == "__main__":
