@@ -1,0 +1,284 @@
+"""Train sala-small (``tools/sala_small.py``) on one GPU: corpus language modelling mixed with the long-context tasks
+of ``tools/longctx_tasks.py``, resumable, so that training runs as a series of calls under 10 minutes each.
+
+Every step holds ``--tokens-per-step`` tokens in rows of one length drawn from ``--lengths`` (1K to 16K): a
+``--lm-share`` of the rows are corpus slices trained on every token, the others task instances trained on their
+answers only, so the corpus is passed over about ``lm-share x tokens / train size`` times in all. The first call
+times a few steps of each length and fixes the schedule (``--train-minutes`` of training over all calls; AdamW,
+warm-up, cosine to 10%); each call trains until its ``--minutes`` are spent, saves the resumable state
+(``--state``: fp32 weights, optimizer, data position) and writes the bf16 checkpoint in the real format
+(``--out``), which a later call can also resume from, with a fresh optimizer, where the state is lost
+(``--resume-from``). The validation split is the tail of the train split (never a haystack); the held-out split
+is read only for the perplexity printed at the end.
+
+  python tools/train_small.py --train work_data/corpus/train_tokens.u16.npy \\
+      --heldout work_data/corpus/heldout_tokens.u16.npy --tokenizer models/sala-tiny \\
+      --out OUT/sala-small --state /tmp/sala-small.pt --train-minutes 18 --minutes 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from longctx_tasks import TaskGenerator, sentence_ends
+from sala_small import build_model, use_fast_path, write_checkpoint
+
+from salaquant.eval.perplexity import perplexity
+from salaquant.model.loading import load_model
+from salaquant.model.modeling import init_weights, lm_logits
+
+BOS, EOS = 1, 2
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"kv:2,chain:1"`` -> {"kv": 2.0, "chain": 1.0}."""
+    out = {}
+    for part in text.split(","):
+        name, _, w = part.partition(":")
+        out[name] = float(w or 1)
+    return out
+
+
+def parse_lengths(text: str) -> dict[int, float]:
+    """``"1024:1,4096:2"`` -> {1024: 1.0, 4096: 2.0} (row length -> weight of the steps at that length)."""
+    return {int(n): w for n, w in parse_weights(text).items()}
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Step ``s``'s rows, from ``start`` on; worker ``w`` of ``W`` builds the steps ``s = w (mod W)``, so the
+    DataLoader's round robin yields them in order. Everything is a function of ``(seed, s)``."""
+
+    def __init__(self, args: argparse.Namespace, corpus: np.ndarray, ends: np.ndarray, start: int) -> None:
+        self.args, self.corpus, self.ends, self.start = args, corpus, ends, start
+        self.lengths = parse_lengths(args.lengths)
+
+    def step_plan(self, step: int) -> tuple[int, int, int]:
+        """(row length, rows, LM rows) of ``step``."""
+        rng = random.Random(f"plan:{self.args.seed}:{step}")
+        n = rng.choices(list(self.lengths), list(self.lengths.values()))[0]
+        rows = max(1, self.args.tokens_per_step // n)
+        lm = rows * self.args.lm_share
+        lm_rows = int(lm) + (rng.random() < lm - int(lm))
+        return n, rows, lm_rows
+
+    def build(self, gen: TaskGenerator, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        n, rows, lm_rows = self.step_plan(step)
+        rng = np.random.default_rng([self.args.seed, step])
+        ids = np.empty((rows, n), dtype=np.int64)
+        mask = np.zeros((rows, n), dtype=bool)
+        for r in range(lm_rows):
+            s = int(rng.integers(0, self.corpus.size - n))
+            ids[r] = self.corpus[s : s + n]
+            mask[r] = True
+        for r in range(lm_rows, rows):
+            sample = gen.packed(step * 1024 + r, n)
+            ids[r], mask[r] = sample.ids, sample.mask
+        return torch.from_numpy(ids), torch.from_numpy(mask), lm_rows
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+        from tokenizers import Tokenizer
+
+        info = torch.utils.data.get_worker_info()
+        wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        tok = Tokenizer.from_file(str(self.args.tokenizer / "tokenizer.json"))
+        kinds = parse_weights(self.args.kinds) if self.args.kinds else None
+        gen = TaskGenerator(
+            tok, self.corpus, BOS, EOS, self.args.seed, kinds, self.ends, self.args.max_keys, self.args.max_questions
+        )
+        step = self.start + wid
+        while True:
+            yield self.build(gen, step)
+            step += workers
+
+
+def step_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, lm_rows: int) -> torch.Tensor:
+    """Mean next-token loss over the LM rows' tokens plus mean loss over the task rows' supervised tokens (logits
+    only where a loss is taken)."""
+    normed = model.model(ids, attention_mode="dense")
+    target = mask[:, 1:]
+    h = normed[:, :-1][target]
+    y = ids[:, 1:][target]
+    logits = lm_logits(model.config, model.lm_head, h)
+    nll = F.cross_entropy(logits, y, reduction="none")
+    is_lm = (torch.arange(ids.shape[0], device=ids.device) < lm_rows)[:, None].expand_as(target)[target]
+    parts = [nll[is_lm].mean()] if lm_rows else []
+    if lm_rows < ids.shape[0]:
+        parts.append(nll[~is_lm].mean())
+    return sum(parts) / len(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=Path, required=True)
+    ap.add_argument("--heldout", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, required=True, help="folder with tokenizer.json (models/sala-tiny)")
+    ap.add_argument("--out", type=Path, required=True, help="checkpoint folder written at the end of the call")
+    ap.add_argument("--state", type=Path, default=Path("/tmp/sala-small-state.pt"))
+    ap.add_argument("--resume-from", type=Path, help="checkpoint to continue from where --state is missing")
+    ap.add_argument("--init-from", type=Path, help="checkpoint whose weights start a new schedule (a curriculum stage)")
+    ap.add_argument("--lengths", default="1024:1,2048:2,4096:3,8192:2,16384:2")
+    ap.add_argument("--kinds", default="", help='task weights, e.g. "kv:3,chain:1" (default: the generator\'s)')
+    ap.add_argument("--max-keys", type=int, default=16, help="keyed statements per kv instance at most")
+    ap.add_argument("--max-questions", type=int, default=4, help="questions per kv instance at most")
+    ap.add_argument("--tokens-per-step", type=int, default=131072)
+    ap.add_argument("--lm-share", type=float, default=0.25)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--train-minutes", type=float, default=18.0, help="training time of the whole schedule")
+    ap.add_argument("--minutes", type=float, default=7.0, help="wall time of this call")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--val-frac", type=float, default=0.02)
+    args = ap.parse_args()
+    call_start = time.time()
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(args.seed)
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    all_train = np.load(args.train).astype(np.int32)
+    n_val = int(all_train.size * args.val_frac)
+    corpus, val = all_train[:-n_val], torch.from_numpy(all_train[-n_val:].astype(np.int64))
+    heldout = torch.from_numpy(np.load(args.heldout).astype(np.int64))
+    ends = sentence_ends(tok, 4096)
+
+    model = build_model().to(dev)
+    init_weights(model, std=0.02, generator=torch.Generator(device=dev).manual_seed(args.seed))
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
+    st: dict = {"step": 0, "tokens": 0, "lm_tokens": 0, "seconds": 0.0, "total_steps": 0, "log": []}
+    if args.state.exists():
+        saved = torch.load(args.state, map_location=dev, weights_only=False)
+        model.load_state_dict(saved.pop("model"))
+        opt.load_state_dict(saved.pop("opt"))
+        st = saved
+        print(f"resumed at step {st['step']} of {st['total_steps']}")
+    elif args.resume_from is not None:
+        summary = json.loads((args.resume_from / "train_summary.json").read_text())
+        st = {k: summary[k] for k in st}
+        model.load_state_dict(load_model(args.resume_from, device=dev, dtype=torch.float32).state_dict())
+        print(f"resumed from {args.resume_from} (bf16 weights, fresh optimizer) at step {st['step']}")
+    elif args.init_from is not None:
+        model.load_state_dict(load_model(args.init_from, device=dev, dtype=torch.float32).state_dict())
+        print(f"new schedule from the weights of {args.init_from}")
+    use_fast_path(model)
+    model.train()
+
+    data = Batches(args, corpus, ends, st["step"])
+    loader = iter(
+        torch.utils.data.DataLoader(
+            data,
+            batch_size=None,
+            num_workers=args.workers,
+            pin_memory=True,
+            prefetch_factor=4,
+            persistent_workers=False,
+        )
+    )
+
+    def train_step(lr: float) -> torch.Tensor:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, mask, lm_rows = next(loader)
+        ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_loss(model, ids, mask, lm_rows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        st["tokens"] += ids.numel()
+        st["lm_tokens"] += lm_rows * ids.shape[1]
+        return loss.detach()
+
+    if (
+        st["total_steps"] == 0
+    ):  # time the first steps (each length twice: the first call tunes kernels) and fix the schedule
+        seen: dict[int, list[float]] = {}
+        while min(len(seen.get(n, [])) for n in data.lengths) < 2 and st["step"] < args.warmup:
+            n = data.step_plan(st["step"])[0]
+            torch.cuda.synchronize()
+            t0 = time.time()
+            train_step(lr_at(st["step"], 10**6, args.lr, args.warmup))
+            st["step"] += 1
+            torch.cuda.synchronize()
+            seen.setdefault(n, []).append(time.time() - t0)
+        per = {n: min(ts[1:] or ts) for n, ts in seen.items()}
+        weights = data.lengths
+        mean = sum(per[n] * w for n, w in weights.items()) / sum(weights.values())
+        st["total_steps"] = int(args.train_minutes * 60 / mean)
+        st["step_seconds"] = per
+        print(f"seconds per step by length {per}; schedule of {st['total_steps']} steps", flush=True)
+
+    budget = args.minutes * 60 - 75  # leave time for validation, saving and the checkpoint
+    torch.cuda.synchronize()
+    t_last = time.time()
+    while st["step"] < st["total_steps"] and time.time() - call_start < budget:
+        loss = train_step(lr_at(st["step"], st["total_steps"], args.lr, args.warmup))
+        st["step"] += 1
+        if st["step"] % 50 == 0:
+            torch.cuda.synchronize()
+            now = time.time()
+            st["seconds"] += now - t_last
+            t_last = now
+            entry = {
+                "step": st["step"],
+                "loss": round(float(loss), 4),
+                "tokens": st["tokens"],
+                "seconds": round(st["seconds"]),
+            }
+            st["log"].append(entry)
+            print(entry, flush=True)
+    torch.cuda.synchronize()
+    st["seconds"] += time.time() - t_last
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        v = perplexity(lambda x: model(x, attention_mode="dense").logits, val, 1024, 32, 8, dev)
+        h = perplexity(lambda x: model(x, attention_mode="dense").logits, heldout, 1024, 16, 8, dev)
+    st["log"].append(
+        {"step": st["step"], "val_nll": round(v.mean_nll, 4), "heldout_ppl_16x1024": round(h.perplexity, 3)}
+    )
+    print(st["log"][-1], flush=True)
+    args.state.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**st, "model": model.state_dict(), "opt": opt.state_dict()}, args.state)
+    write_checkpoint(model, args.out, args.tokenizer)
+    summary = {
+        **{k: v for k, v in st.items() if k != "log"},
+        "lm_passes": st["lm_tokens"] / corpus.size,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "log": st["log"],
+    }
+    (args.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("log", "args")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
