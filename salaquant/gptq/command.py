@@ -28,7 +28,7 @@ from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .budget import gptq_probe, gptq_units, plan_of
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
-from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
+from .plan import BitsOptions, PlanError, build_plan, check_marlin_leaves_some, check_tp, marlin_exclusions
 
 _DEFAULTS = defaults("gptq")
 
@@ -85,6 +85,7 @@ def run_gptq(
     plan = build_plan(config, bits)  # bad bit plans fail before any data or model work
     if all(p.bits is None for p in plan.values()):
         raise PlanError("the bits options keep every linear in 16 bits: nothing to export as GPTQ")
+    check_tp(config, run.tp)
     excluded = marlin_exclusions(config, plan, run.tp)
     if excluded and not run.marlin_fallback:
         first = next(iter(excluded.items()))
@@ -92,6 +93,7 @@ def run_gptq(
             f"{len(excluded)} linears cannot be served by gptq_marlin at tp={run.tp}, e.g. {first[0]}: "
             f"{first[1][0]}; exclude them or allow --marlin-fallback"
         )
+    check_marlin_leaves_some(plan, excluded, run.tp)
     if excluded:
         console.print(
             f"[yellow]keeping {len(excluded)} linears in bf16: gptq_marlin cannot serve their shapes at "
