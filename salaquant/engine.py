@@ -64,12 +64,9 @@ from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
 from .shards import LEAVES, TreeSum, split_leaves
 from .stats import HESSIAN_SUMS, GroupStats, LayerStats
+from .work_folder import ResumeError
 
 log = logging.getLogger("salaquant.engine")
-
-
-class ResumeError(RuntimeError):
-    """A work folder that cannot be resumed (different model, data or settings)."""
 
 
 @dataclass

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import json
-import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from .calib_data import CalibOptions
-from .distributed import from_environment
-from .model.checkpoint import replace_folder
-from .outputs import check_no_overlap, check_output
+from .outputs import ExportRejected, check_no_overlap
 from .recipe import RecipeError, rule_line
 from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
+if TYPE_CHECKING:
+    import torch
 
-class GateFailed(RuntimeError):
-    """The exported checkpoint missed a threshold of the recipe's eval gate."""
+
+class GateFailed(ExportRejected):
+    """The complete export missed a threshold of the recipe's eval gate (it is kept at ``OUTPUT.gate-failed``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "gate")
 
 
 def calib_options(r: Recipe) -> CalibOptions:
@@ -41,8 +45,9 @@ def run_recipe(
 ) -> Path:
     """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``.
 
-    With an eval gate the export is written to ``OUTPUT.gate-pending`` and moved to ``output`` only when the gate
-    passes; a failed gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`."""
+    With an eval gate, its data is read before any model work (`gate_windows`) and the gate scores the complete
+    export where it was written, beside ``output``: it is moved to ``output`` only when the gate passes; a failed
+    gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`."""
     if not recipe.calibration.sources:
         raise RecipeError(
             "calibration.sources is empty: list files in the recipe or pass "
@@ -50,30 +55,29 @@ def run_recipe(
         )
     if recipe_path is not None and Path(recipe_path).exists():
         check_no_overlap(output, [("recipe", Path(recipe_path))])
-    gated = recipe.eval.data is not None
-    export_to = output
-    if gated:  # the export waits beside the output until the gate has passed
-        check_output(output, overwrite, False, [("input checkpoint", model)])
-        export_to = Path(f"{output}.gate-pending")
-        shutil.rmtree(export_to, ignore_errors=True)
-    _quantize(recipe, model, export_to, console, resume, overwrite, show_progress, recipe_path)
-    if not gated or not from_environment(recipe.engine.device).main:  # under torchrun, rank 0 runs the gate
-        return output
-    result = eval_gate(model, export_to, recipe.eval, recipe.engine.device)
-    (export_to / "eval_gate.json").write_text(json.dumps(result, indent=2))
-    console.print(
-        f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
-        f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
-    )
-    if not result["passed"]:
-        failed = Path(f"{output}.gate-failed")
-        replace_folder(export_to, failed)
-        raise GateFailed(
-            "eval gate failed: " + "; ".join(result["failures"]) + f"; the export is kept at {failed} for "
-            f"inspection and {output} was not written"
-        )
-    replace_folder(export_to, output)
+    accept = _gate(recipe, model, console) if recipe.eval.data is not None else None
+    _quantize(recipe, model, output, console, resume, overwrite, show_progress, recipe_path, accept)
     return output
+
+
+def _gate(recipe: Recipe, model: Path, console: Console) -> Callable[[Path], None]:
+    """The recipe's eval gate as a check of a complete export, its data read now (before any model work)."""
+    from .model.loading import validate_source
+
+    validate_source(model)  # the gate's data is tokenized with the source's tokenizer: the source first
+    wins = gate_windows(model, recipe.eval)
+
+    def accept(export: Path) -> None:
+        result = eval_gate(model, export, recipe.eval, recipe.engine.device, wins)
+        (export / "eval_gate.json").write_text(json.dumps(result, indent=2))
+        console.print(
+            f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
+            f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
+        )
+        if not result["passed"]:
+            raise GateFailed("eval gate failed: " + "; ".join(result["failures"]))
+
+    return accept
 
 
 def _quantize(
@@ -85,8 +89,9 @@ def _quantize(
     overwrite: bool,
     show_progress: bool,
     recipe_path: str | None,
+    accept: Callable[[Path], None] | None,
 ) -> None:
-    """The recipe's quantizer, run into ``output``."""
+    """The recipe's quantizer, run into ``output`` (``accept``: its eval gate)."""
     extra = {"recipe.yaml": recipe.to_yaml()}
     q, e = recipe.quantization, recipe.engine
     if recipe.method in ("gptq", "rtn"):
@@ -141,6 +146,7 @@ def _quantize(
                 run,
                 console,
                 extra_files=extra,
+                accept=accept,
             )
         except PlanError as exc:
             if exc.rule is not None and recipe_path is not None:
@@ -174,28 +180,54 @@ def _quantize(
             show_progress=show_progress,
         )
         run_nvfp4(
-            model, output, recipe.calibration.sources, calib_options(recipe), layer4, run4, console, extra_files=extra
+            model,
+            output,
+            recipe.calibration.sources,
+            calib_options(recipe),
+            layer4,
+            run4,
+            console,
+            extra_files=extra,
+            accept=accept,
         )
 
 
-def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:
-    """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention),
-    measured and gated by the code behind ``salaquant eval``."""
-    from .engine import resolve_device
+def gate_windows(source: Path, gate: EvalGate) -> list[torch.Tensor]:
+    """The token windows the gate scores: ``gate.data`` read and tokenized with the source's tokenizer. A
+    `RecipeError` names ``eval.data`` when it cannot be read or holds fewer than ``eval.seq_len`` tokens."""
+    from .calib_data import CalibrationError
     from .eval.data import load_eval_text
-    from .eval.metrics import compare_windows
     from .eval.perplexity import windows
-    from .eval.thresholds import Thresholds
-    from .model.loading import load_model
     from .workflow import load_tokenizer
 
     assert gate.data is not None
-    dev = resolve_device(device)
     tokenizer = load_tokenizer(source)
-    text = load_eval_text(gate.data, tokenizer, tokenizer.eos_token_id)
+    try:
+        text = load_eval_text(gate.data, tokenizer, tokenizer.eos_token_id)
+    except (CalibrationError, OSError) as exc:
+        raise RecipeError(f"eval.data: {exc}") from exc
     wins = windows(text.tokens, gate.seq_len, gate.windows)
     if not wins:
-        raise RecipeError(f"eval.data {gate.data}: fewer than eval.seq_len={gate.seq_len} tokens")
+        raise RecipeError(
+            f"eval.data {gate.data}: {text.tokens.numel()} tokens, fewer than eval.seq_len={gate.seq_len}"
+        )
+    return wins
+
+
+def eval_gate(
+    source: Path, quantized: Path, gate: EvalGate, device: str = "auto", wins: list[torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention;
+    ``wins``: its windows, when `gate_windows` has read them already), measured and gated by the code behind
+    ``salaquant eval``."""
+    from .engine import resolve_device
+    from .eval.metrics import compare_windows
+    from .eval.thresholds import Thresholds
+    from .model.loading import load_model
+
+    dev = resolve_device(device)
+    if wins is None:
+        wins = gate_windows(source, gate)
     from .model.checkpoint import CheckpointReader
     from .runtime.load import checkpoint_format, load, resolve_activations
 
