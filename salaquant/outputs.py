@@ -57,11 +57,14 @@ def failed_dir_for(output: Path, check: str) -> Path:
 
 def derived_names(output: Path) -> list[str]:
     """Every name salaquant gives a folder beside ``output``, at its longest: the work folder, the exports that
-    failed a check, and the writer's staging and backup folders (`sibling_names`)."""
+    failed a check, and the staging and backup folders of each folder it replaces (`sibling_names`: the longest
+    is the backup of an older ``OUT.check-failed``)."""
     from .model.checkpoint import sibling_names
 
-    failed = [failed_dir_for(output, c).name for c in FAILED_CHECKS]
-    return [output.name, work_dir_for(output).name, *failed, *sibling_names(output)]
+    names = [work_dir_for(output).name]
+    for folder in (output, *(failed_dir_for(output, c) for c in FAILED_CHECKS)):
+        names += [folder.name, *sibling_names(folder)]
+    return names
 
 
 def folder_bytes(path: Path) -> int:

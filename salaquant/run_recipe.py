@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from .calib_data import CalibOptions
-from .outputs import ExportRejected, check_no_overlap
+from .outputs import ExportRejected, check_no_overlap, check_output
 from .recipe import RecipeError, rule_line
 from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
@@ -55,7 +55,13 @@ def run_recipe(
         )
     if recipe_path is not None and Path(recipe_path).exists():
         check_no_overlap(output, [("recipe", Path(recipe_path))])
-    accept = _gate(recipe, model, console) if recipe.eval.data is not None else None
+    accept = None
+    if recipe.eval.data is not None:  # the output first: reading the gate's data may take a while
+        inputs = [("input checkpoint", model)]
+        if not recipe.eval.data.startswith("hf:"):
+            inputs.append(("eval data", Path(recipe.eval.data)))
+        check_output(output, overwrite, resume, inputs)
+        accept = _gate(recipe, model, console)
     _quantize(recipe, model, output, console, resume, overwrite, show_progress, recipe_path, accept)
     return output
 
