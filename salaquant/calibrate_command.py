@@ -49,10 +49,11 @@ def run_calibrate(
     if not ranks.main:  # one voice: rank 0 prints and writes the statistics
         console = Console(quiet=True)
     work = work_dir_for(output)
+    stats = statistics_bytes(config, hessian)
+    check_run_space(output, config, stats, stats, resume)  # before the data is read; its hidden states after
     with guarded_run(work, resume=resume, overwrite=overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, options, console)
-        stats = statistics_bytes(config, hessian)
-        check_run_space(output, config, stats, data.total_tokens, stats)
+        check_run_space(output, config, stats, stats, resume, data.total_tokens)
         opts = EngineOptions(
             device=device,
             chunk_tokens=chunk_tokens,

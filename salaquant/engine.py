@@ -65,6 +65,7 @@ from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
 from .shards import LEAVES, TreeSum, split_leaves
 from .stats import HESSIAN_SUMS, GroupStats, LayerStats
+from .work_folder import ResumeError
 
 log = logging.getLogger("salaquant.engine")
 
@@ -76,10 +77,6 @@ on the H200 machine (about 0.95 GB/s once the page cache is full), while the wor
 layer's propagation must wait for it (load, statistics, solve) is about 2.8 s a layer: one per layer would add
 about 26 s to the 139 s run, against at most 3 layers (about 13 s) computed again after an interruption. On a
 CPU a layer takes far longer than writing its hidden states (the shipped model: seconds a layer for 64 KB)."""
-
-
-class ResumeError(RuntimeError):
-    """A work folder that cannot be resumed (different model, data or settings)."""
 
 
 @dataclass
@@ -189,6 +186,41 @@ def model_fingerprint(reader: CheckpointReader) -> str:
     return h.hexdigest()
 
 
+_INPUT_NAMES = {
+    "model": "another model (config.json, tensor names, shapes, dtypes or shard sizes)",
+    "data": "other calibration data (tokens)",
+    "leaves": "another statistics tree",
+    "salaquant": "another salaquant version",
+}
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key in sorted(value) for k, v in _flat(value[key], f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def _differences(recorded: Any, current: dict[str, Any], shown: int = 4) -> str:
+    """What differs between the inputs a work folder recorded and this run's: the inputs by name, settings key by
+    key (``gptq.damp 0.01, now 0.05``); a generic phrase for a folder that recorded none."""
+    if not isinstance(recorded, dict):
+        return "another model, calibration set, settings or salaquant version"
+    parts: list[str] = []
+    for name in ("model", "data", "leaves", "salaquant"):
+        if recorded.get(name) != current[name]:
+            was = f" ({recorded.get(name)}, now {current[name]})" if name == "salaquant" else ""
+            parts.append(_INPUT_NAMES[name] + was)
+    old = {**_flat(recorded.get("engine", {}), "engine."), **_flat(recorded.get("settings", {}), "")}
+    new = {**_flat(current["engine"], "engine."), **_flat(current["settings"], "")}
+    keys = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    changed = [f"{k} {json.dumps(old.get(k))}, now {json.dumps(new.get(k))}" for k in keys[:shown]]
+    if len(keys) > shown:
+        changed.append(f"{len(keys) - shown} more")
+    if changed:
+        parts.append("other settings (" + "; ".join(changed) + ")")
+    return ", ".join(parts) or "other inputs"
+
+
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     atomic_write(path, lambda tmp: write_safetensors(tensors, tmp))
 
@@ -285,7 +317,8 @@ class CalibrationEngine:
         ends = itertools.accumulate(len(leaf) for leaf in self.own_leaves)
         self._leaf_rows = [range(e - len(leaf), e) for leaf, e in zip(self.own_leaves, ends, strict=True)]  # in own
         self.settings = settings or {}
-        self.fingerprint = hashlib.sha256(
+        # what a resumed run must share with the run it continues (recorded in state.json, to name what differs)
+        self.inputs: dict[str, Any] = json.loads(
             json.dumps(
                 {
                     "model": model_fingerprint(self.reader),
@@ -295,10 +328,10 @@ class CalibrationEngine:
                     "settings": self.settings,
                     "salaquant": __version__,
                 },
-                sort_keys=True,
                 default=str,
-            ).encode()
-        ).hexdigest()
+            )
+        )
+        self.fingerprint = hashlib.sha256(json.dumps(self.inputs, sort_keys=True).encode()).hexdigest()
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
         same_everywhere(self.fingerprint, ranks, "the model, calibration data or settings")
         self._digests: dict[str, str] = {}  # tensor -> digest of what this run (and the runs it resumes) read
@@ -382,9 +415,9 @@ class CalibrationEngine:
             )
         if state.get("fingerprint") != self.fingerprint:
             raise ResumeError(
-                f"{self.work_dir} was written for a different model, calibration set, settings or salaquant version "
-                "(fingerprint mismatch): rerun with the original inputs, or without --resume and with --overwrite "
-                "to start over"
+                f"{self.work_dir} does not match this run (fingerprint mismatch): it was written with "
+                f"{_differences(state.get('inputs'), self.inputs)}; to continue it, rerun with what it was written "
+                "with; to discard it and start over, rerun with --overwrite instead of --resume"
             )
         digests: dict[str, str] = state.get("tensors", {})
         log.info("resume: checking the content of %d tensors read by the finished layers", len(digests))
@@ -392,8 +425,9 @@ class CalibrationEngine:
             if name not in self.reader or self.reader.digest(name) != digest:
                 raise ResumeError(
                     f"{self.work_dir} was computed from a different checkpoint: tensor {name} in "
-                    f"{self.reader.path} is not the one the finished layers read (content fingerprint mismatch); "
-                    "rerun with the original checkpoint, or without --resume and with --overwrite to start over"
+                    f"{self.reader.path} is not the one the finished layers read (content fingerprint mismatch): "
+                    "to continue it, rerun with the checkpoint it was computed from; to discard it and start over, "
+                    "rerun with --overwrite instead of --resume"
                 )
         self.reader.close()
         self._digests = dict(digests)
@@ -409,6 +443,7 @@ class CalibrationEngine:
         atomic_json(
             {
                 "fingerprint": self.fingerprint,
+                "inputs": self.inputs,
                 "finished": finished,
                 "num_layers": self.config.num_hidden_layers,
                 "resume_every": self.resume_every,

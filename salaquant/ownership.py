@@ -15,7 +15,7 @@ or with any entry its kind does not write, is refused, named by a few of those e
 
 The kinds, each built from its writers' own names:
 
-* checkpoint (``gptq``, ``nvfp4`` and ``run`` exports, their ``OUT.gate-pending`` / ``OUT.gate-failed``, a ``tiny``
+* checkpoint (``gptq``, ``nvfp4`` and ``run`` exports, their ``OUT.check-failed`` / ``OUT.gate-failed``, a ``tiny``
   random checkpoint): marker ``salaquant_settings.json`` (a JSON object with ``method``); the weights, shards and
   index `CheckpointWriter` writes, ``config.json``, the serving files `CheckpointWriter.copy_aux` copies
   (`SERVING_FILES`), the files of `salaquant.export.EXPORT_FILES` and an eval report (``eval --report`` into the

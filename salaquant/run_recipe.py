@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from .calib_data import CalibOptions
-from .distributed import from_environment
 from .export import GATE_NAME
-from .model.checkpoint import replace_folder
-from .outputs import check_no_overlap, check_output, refuse_foreign, remove_owned
+from .outputs import ExportRejected, check_no_overlap, check_output
 from .recipe import RecipeError, key_line
 from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
+if TYPE_CHECKING:
+    import torch
 
-class GateFailed(RuntimeError):
-    """The exported checkpoint missed a threshold of the recipe's eval gate."""
+
+class GateFailed(ExportRejected):
+    """The complete export missed a threshold of the recipe's eval gate (it is kept at ``OUTPUT.gate-failed``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "gate")
 
 
 def calib_options(r: Recipe) -> CalibOptions:
@@ -41,10 +46,9 @@ def run_recipe(
 ) -> Path:
     """Quantize ``model`` into ``output`` as the recipe says; the resolved recipe is saved as ``recipe.yaml``.
 
-    With an eval gate the export is written to ``OUTPUT.gate-pending`` and moved to ``output`` only when the gate
-    passes; a failed gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`.
-    Both names are salaquant's: what an earlier run left there is replaced, a folder holding anything else is
-    refused before any work."""
+    With an eval gate, its data is read before any model work (`gate_windows`) and the gate scores the complete
+    export where it was written, beside ``output``: it is moved to ``output`` only when the gate passes; a failed
+    gate leaves it at ``OUTPUT.gate-failed`` (and ``output`` as it was) and raises `GateFailed`."""
     if not recipe.calibration.sources:
         raise RecipeError(
             "calibration.sources is empty: list files in the recipe or pass "
@@ -52,31 +56,35 @@ def run_recipe(
         )
     if recipe_path is not None and Path(recipe_path).exists():
         check_no_overlap(output, [("recipe", Path(recipe_path))])
-    gated = recipe.eval.data is not None
-    export_to = output
-    if gated:  # the export waits beside the output until the gate has passed
-        check_output(output, overwrite, False, [("input checkpoint", model)])
-        export_to = Path(f"{output}.gate-pending")
-        refuse_foreign(Path(f"{output}.gate-failed"), ", where a failed gate keeps its export,")
-        remove_owned(export_to, ", where the export waits for its gate,")
-    _quantize(recipe, model, export_to, console, resume, overwrite, show_progress, recipe_path)
-    if not gated or not from_environment(recipe.engine.device).main:  # under torchrun, rank 0 runs the gate
-        return output
-    result = eval_gate(model, export_to, recipe.eval, recipe.engine.device)
-    (export_to / GATE_NAME).write_text(json.dumps(result, indent=2))
-    console.print(
-        f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
-        f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
-    )
-    if not result["passed"]:
-        failed = Path(f"{output}.gate-failed")
-        replace_folder(export_to, failed)
-        raise GateFailed(
-            "eval gate failed: " + "; ".join(result["failures"]) + f"; the export is kept at {failed} for "
-            f"inspection and {output} was not written"
-        )
-    replace_folder(export_to, output)
+    accept = None
+    if recipe.eval.data is not None:  # the output first: reading the gate's data may take a while
+        inputs = [("input checkpoint", model)]
+        if not recipe.eval.data.startswith("hf:"):
+            inputs.append(("eval data", Path(recipe.eval.data)))
+        check_output(output, overwrite, resume, inputs)
+        accept = _gate(recipe, model, console)
+    _quantize(recipe, model, output, console, resume, overwrite, show_progress, recipe_path, accept)
     return output
+
+
+def _gate(recipe: Recipe, model: Path, console: Console) -> Callable[[Path], None]:
+    """The recipe's eval gate as a check of a complete export, its data read now (before any model work)."""
+    from .model.loading import validate_source
+
+    validate_source(model)  # the gate's data is tokenized with the source's tokenizer: the source first
+    wins = gate_windows(model, recipe.eval)
+
+    def accept(export: Path) -> None:
+        result = eval_gate(model, export, recipe.eval, recipe.engine.device, wins)
+        (export / GATE_NAME).write_text(json.dumps(result, indent=2))
+        console.print(
+            f"eval gate: ppl {result['ppl_source']:.3f} -> {result['ppl_quantized']:.3f} "
+            f"({100 * result['ppl_increase']:+.2f}%), KL {result['kl']:.4f}, top-1 {100 * result['top1']:.2f}%"
+        )
+        if not result["passed"]:
+            raise GateFailed("eval gate failed: " + "; ".join(result["failures"]))
+
+    return accept
 
 
 def _quantize(
@@ -88,8 +96,9 @@ def _quantize(
     overwrite: bool,
     show_progress: bool,
     recipe_path: str | None,
+    accept: Callable[[Path], None] | None,
 ) -> None:
-    """The recipe's quantizer, run into ``output``."""
+    """The recipe's quantizer, run into ``output`` (``accept``: its eval gate)."""
     extra = {"recipe.yaml": recipe.to_yaml()}
     q, e = recipe.quantization, recipe.engine
     if recipe.method in ("gptq", "rtn"):
@@ -144,6 +153,7 @@ def _quantize(
                 run,
                 console,
                 extra_files=extra,
+                accept=accept,
             )
         except PlanError as exc:
             if exc.rule is not None and recipe_path is not None:
@@ -190,6 +200,7 @@ def _quantize(
                 run4,
                 console,
                 extra_files=extra,
+                accept=accept,
             )
         except NVFP4PlanError as exc:
             if exc.exclude is not None and recipe_path is not None:
@@ -204,24 +215,42 @@ def _exclude_error(recipe_path: str, key: tuple[str, str, int], exc: Exception) 
     return RecipeError(f"{key_line(recipe_path, key)}: {key[0]}.{key[1]}[{key[2]}]: {exc}")
 
 
-def eval_gate(source: Path, quantized: Path, gate: EvalGate, device: str = "auto") -> dict[str, Any]:
-    """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention),
-    measured and gated by the code behind ``salaquant eval``."""
-    from .engine import resolve_device
+def gate_windows(source: Path, gate: EvalGate) -> list[torch.Tensor]:
+    """The token windows the gate scores: ``gate.data`` read and tokenized with the source's tokenizer. A
+    `RecipeError` names ``eval.data`` when it cannot be read or holds fewer than ``eval.seq_len`` tokens."""
+    from .calib_data import CalibrationError
     from .eval.data import load_eval_text
-    from .eval.metrics import compare_windows
     from .eval.perplexity import windows
-    from .eval.thresholds import Thresholds
-    from .model.loading import load_model
     from .workflow import load_tokenizer
 
     assert gate.data is not None
-    dev = resolve_device(device)
     tokenizer = load_tokenizer(source)
-    text = load_eval_text(gate.data, tokenizer, tokenizer.eos_token_id)
+    try:
+        text = load_eval_text(gate.data, tokenizer, tokenizer.eos_token_id)
+    except (CalibrationError, OSError) as exc:
+        raise RecipeError(f"eval.data: {exc}") from exc
     wins = windows(text.tokens, gate.seq_len, gate.windows)
     if not wins:
-        raise RecipeError(f"eval.data {gate.data}: fewer than eval.seq_len={gate.seq_len} tokens")
+        raise RecipeError(
+            f"eval.data {gate.data}: {text.tokens.numel()} tokens, fewer than eval.seq_len={gate.seq_len}"
+        )
+    return wins
+
+
+def eval_gate(
+    source: Path, quantized: Path, gate: EvalGate, device: str = "auto", wins: list[torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention;
+    ``wins``: its windows, when `gate_windows` has read them already), measured and gated by the code behind
+    ``salaquant eval``."""
+    from .engine import resolve_device
+    from .eval.metrics import compare_windows
+    from .eval.thresholds import Thresholds
+    from .model.loading import load_model
+
+    dev = resolve_device(device)
+    if wins is None:
+        wins = gate_windows(source, gate)
     from .model.checkpoint import CheckpointReader
     from .runtime.load import checkpoint_format, load, resolve_activations
 

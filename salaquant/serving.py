@@ -7,9 +7,17 @@ config parsing, quantization choice, model construction and weight loading again
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
+import torch
+
 SGLANG_VERSION = "0.5.23"
+
+PLAIN_DTYPE = torch.bfloat16
+"""The dtype of every tensor an export keeps unquantized (embeddings, norms, lm_head, linears left in 16 bits)
+and its ``config.json`` ``torch_dtype``, whatever the source's: SGLang runs MiniCPM-SALA in it and the GPTQ
+Marlin and FP4 kernels take bf16 activations (a float32 lm_head fails the format check)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +65,10 @@ def format_of(quant_method: str) -> ServedFormat:
 
 
 def serve_command(path: str, quant_method: str, tp: int = 1) -> str:
-    """The SGLang launch command for an export of ``quant_method`` at ``path``."""
+    """The SGLang launch command for an export of ``quant_method`` at ``path``, quoted for a POSIX shell."""
     tp_flag = f" --tp {tp}" if tp > 1 else ""
-    return f"python -m sglang.launch_server --model-path {path} --quantization {format_of(quant_method).flag}{tp_flag}"
+    flag = format_of(quant_method).flag
+    return f"python -m sglang.launch_server --model-path {shlex.quote(path)} --quantization {flag}{tp_flag}"
 
 
 def serving_lines(path: str, quant_method: str, tp: int = 1) -> list[str]:

@@ -5,7 +5,9 @@ lock on ``WORK/lock`` (a second run of the same output is refused, naming the fi
 unfinished work folder when the user asked to start over (``--overwrite`` without ``--resume``), and when the
 run stops early says what was kept: a work folder holding no finished layer is removed; one holding finished
 layers is kept, and the message says how to continue from it or start over. Ctrl-C becomes `RunInterrupted`
-carrying that message.
+carrying that message. Two errors are passed on as they are, each message saying itself what became of the
+work: a `ResumeError` (the work folder is an earlier run's, left as it was) and an `ExportRejected` (the export
+failed a check and was kept beside the output; the work folder is removed, as a rerun would write the same).
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .distributed import SINGLE, Ranks, barrier
-from .outputs import OutputError
+from .outputs import ExportRejected, OutputError, in_use_message
 
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says what was kept and how to resume."""
+
+
+class ResumeError(RuntimeError):
+    """A work folder that cannot be resumed (different model, data or settings)."""
 
 
 def finished_layers(work: Path) -> tuple[int, int | None]:
@@ -45,9 +51,7 @@ def _lock(work: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise OutputError(
-                f"another salaquant run (pid {holder}) is using {work}: wait for it to finish or stop it"
-            ) from None
+            raise OutputError(in_use_message(work, holder)) from None
         if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
             raise OutputError(f"{work} was removed by another run while this one started: run the command again")
         os.ftruncate(fd, 0)
@@ -65,10 +69,12 @@ def _resume_every(work: Path) -> int:
         return 1
 
 
-def _kept(work: Path) -> str:
+def _kept(work: Path, interrupted: bool = False) -> str:
     """What remains of a run that stopped early, and the work folder removed when nothing is worth keeping. A run
     resumes from its last resume point (`resume_every`): the message names the layer it continues from, and says
-    when layers finished after that point will be computed again."""
+    when layers finished after that point will be computed again. After Ctrl-C the same command resumes; after an
+    error only once its cause is fixed (the same command would meet it again), and only with the same inputs (the
+    fingerprint refuses others)."""
     done, total = finished_layers(work)
     every = _resume_every(work)
     cadence = f"the hidden states are saved after every {every} layers on this device"
@@ -77,15 +83,17 @@ def _kept(work: Path) -> str:
         why = f": {cadence}, and no such point was reached" if every > 1 else ""
         return f"nothing was kept ({work} removed){why}"
     if total is not None and done >= total:
-        return (
-            f"all {total} calibrated layers are kept in {work}: rerun the same command with --resume to export "
-            "without calibrating again, or with --overwrite to start over"
-        )
-    layers = "layer 1" if done == 1 else f"layers 1-{done}"
-    again = f" ({cadence}: any layer finished after layer {done} is computed again)" if every > 1 else ""
+        kept, resumes = f"all {total} calibrated layers are kept in {work}", "export without calibrating again"
+        again = ""
+    else:
+        layers = "layer 1" if done == 1 else f"layers 1-{done}"
+        kept, resumes = f"{layers} of {total} are kept in {work}", f"continue from layer {done + 1}"
+        again = f" ({cadence}: any layer finished after layer {done} is computed again)" if every > 1 else ""
+    if interrupted:
+        return f"{kept}: rerun the same command with --resume to {resumes}, or with --overwrite to start over{again}"
     return (
-        f"{layers} of {total} are kept in {work}: rerun the same command with --resume to continue from layer "
-        f"{done + 1}, or with --overwrite to start over{again}"
+        f"{kept}: once the cause is fixed, rerun with --resume to {resumes} (the same model, calibration data and "
+        f"settings), or with --overwrite to start over{again}"
     )
 
 
@@ -107,7 +115,12 @@ def guarded_run(work: Path, *, resume: bool, overwrite: bool, ranks: Ranks = SIN
         try:
             yield
         except KeyboardInterrupt:
-            raise RunInterrupted(f"interrupted: {_kept(work)}") from None
+            raise RunInterrupted(f"interrupted: {_kept(work, interrupted=True)}") from None
+        except ResumeError:
+            raise
+        except ExportRejected:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename is not None else ""
             raise RuntimeError(f"{where}{exc.strerror or exc}; {_kept(work)}") from exc

@@ -13,7 +13,7 @@ from .model.checkpoint import CheckpointError, read_json_object
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
 from .model.loading import check_finite, validate_source
-from .outputs import check_free_space, check_output
+from .outputs import check_free_space, check_output, folder_bytes, work_dir_for
 
 if TYPE_CHECKING:
     from .engine import CalibrationEngine, EngineResult
@@ -41,11 +41,16 @@ def start_run(
     return config, ranks
 
 
-def check_run_space(output: Path, config: SalaConfig, export_bytes: int, tokens: int, layer_bytes: int) -> None:
-    """Refuse a run whose export, work folder (per-layer files of ``layer_bytes`` in all, the hidden states of
-    ``tokens`` tokens written beside their previous copy) and temporary export do not fit on the disk."""
-    hidden = tokens * config.hidden_size * 2
-    check_free_space(output, {"export": export_bytes, "work folder": layer_bytes + 2 * hidden})
+def check_run_space(
+    output: Path, config: SalaConfig, export_bytes: int, layer_bytes: int, resume: bool, tokens: int | None = None
+) -> None:
+    """Refuse a run whose export and work folder (per-layer files of ``layer_bytes`` in all, the hidden states of
+    ``tokens`` tokens written beside their previous copy) do not fit on the disk. What a resumed run's work folder
+    already holds is not counted again. Called twice: before the calibration data is read (``tokens`` None: the
+    export and the layer files) and once its size is known, before any model work."""
+    hidden = 0 if tokens is None else tokens * config.hidden_size * 2
+    written = folder_bytes(work_dir_for(output)) if resume else 0
+    check_free_space(output, {"export": export_bytes, "work folder": max(0, layer_bytes + 2 * hidden - written)})
 
 
 def statistics_bytes(config: SalaConfig, hessian: bool) -> int:

@@ -31,12 +31,13 @@ CHECKERS: dict[str, Callable[[CheckpointReader, dict[str, Any], int], CheckRepor
 """The checker of each ``quantization_config.quant_method`` (each lives with its format)."""
 
 
-def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
+def check_checkpoint(path: str | Path, tp: int = 1, served_as: str | Path | None = None) -> CheckReport:
     """Check the quantized checkpoint folder ``path`` for tensor-parallel size ``tp``.
 
-    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise. A folder that cannot be read (it
-    is missing, or a file it needs is unreadable or corrupt) raises `CheckpointError` instead: bad input, not a
-    checkpoint that fails the format's rules.
+    Raises `CheckError` listing every problem; returns a `CheckReport` otherwise, whose serving lines name
+    ``served_as`` (where a checked export will be moved) or else ``path``.
+    A folder that cannot be read (it is missing, or a file it needs is unreadable or corrupt) raises
+    `CheckpointError` instead: bad input, not a checkpoint that fails the format's rules.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise CheckError(f"tp={tp!r}: tensor-parallel size must be a positive integer")
@@ -55,7 +56,7 @@ def check_checkpoint(path: str | Path, tp: int = 1) -> CheckReport:
     with reader:
         fail(config_problems(reader, config), f"{reader.path}: tensors against config.json")
         report = checker(reader, config, tp)
-    report.serving = serving_lines(str(path), method, tp)
+    report.serving = serving_lines(str(served_as if served_as is not None else path), method, tp)
     return report
 
 

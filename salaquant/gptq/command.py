@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,7 @@ from ..budget.size import parse_budget
 from ..calib_data import CalibOptions
 from ..distributed import barrier, device_for
 from ..engine import CalibrationEngine, EngineOptions, resolve_device
-from ..export import export_checkpoint
-from ..formats.check import check_checkpoint
+from ..export import check_export, export_checkpoint
 from ..formats.gptq_v1.config import quantization_config
 from ..model.checkpoint import CheckpointReader
 from ..outputs import work_dir_for
@@ -28,7 +28,7 @@ from ..work_folder import guarded_run
 from ..workflow import check_run_space, prepare_calibration, run_report, start_run
 from .budget import gptq_probe, gptq_units, plan_of
 from .layer import GPTQLayerOptions, GPTQLayerQuantizer
-from .plan import BitsOptions, PlanError, build_plan, marlin_exclusions
+from .plan import BitsOptions, PlanError, build_plan, check_marlin_leaves_some, check_tp, marlin_exclusions
 
 _DEFAULTS = defaults("gptq")
 
@@ -78,13 +78,17 @@ def run_gptq(
     run: RunOptions,
     console: Console,
     extra_files: dict[str, Any] | None = None,
+    accept: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Quantize ``model`` into ``output``. ``accept`` (a recipe's eval gate) sees the complete, format-checked
+    export before it is moved to ``output``; it raises an `ExportRejected` to keep it beside ``output`` instead."""
     config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
         console = Console(quiet=True)
     plan = build_plan(config, bits)  # bad bit plans fail before any data or model work
     if all(p.bits is None for p in plan.values()):
         raise PlanError("the bits options keep every linear in 16 bits: nothing to export as GPTQ")
+    check_tp(config, run.tp)
     excluded = marlin_exclusions(config, plan, run.tp)
     if excluded and not run.marlin_fallback:
         first = next(iter(excluded.items()))
@@ -92,6 +96,7 @@ def run_gptq(
             f"{len(excluded)} linears cannot be served by gptq_marlin at tp={run.tp}, e.g. {first[0]}: "
             f"{first[1][0]}; exclude them or allow --marlin-fallback"
         )
+    check_marlin_leaves_some(plan, excluded, run.tp)
     if excluded:
         head = "" if config.tie_word_embeddings else " (lm_head, never quantized, is kept too)"
         console.print(
@@ -107,10 +112,11 @@ def run_gptq(
             budget_range(reader, config, units, budget)  # a budget that cannot be met fails before any work
     work = work_dir_for(output)
     device = device_for(ranks, resolve_device(run.device))
+    size = summarize(config).w4a16_bytes
+    check_run_space(output, config, size, size, run.resume)  # before the data is read; its hidden states after
     with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
-        size = summarize(config).w4a16_bytes
-        check_run_space(output, config, size, data.total_tokens, size)
+        check_run_space(output, config, size, size, run.resume, data.total_tokens)
         chosen = None
         if budget is not None:
             with CheckpointReader(model) as reader:
@@ -157,28 +163,24 @@ def run_gptq(
         qconfig = quantization_config(config, plan, bits.group_size, meta)
         report = run_report(engine, data, result, t_calib, summary)
         t1 = time.perf_counter()
-        export_checkpoint(
-            model,
-            output,
-            result,
-            qconfig,
-            {
-                "quantize_config.json": qconfig,
-                "quant_report.json": report,
-                "salaquant_settings.json": settings,
-                **(extra_files or {}),
-            },
-            max_shard_bytes=run.max_shard_bytes,
-            overwrite=run.overwrite,
-        )
-        check = check_checkpoint(output, tp=run.tp)
-        if chosen is not None:
-            record_budget(chosen, config, model, output, [s.ids for s in data.samples], device, console)
+        files = {
+            "quantize_config.json": qconfig,
+            "quant_report.json": report,
+            "salaquant_settings.json": settings,
+            **(extra_files or {}),
+        }
+        opts = {"max_shard_bytes": run.max_shard_bytes, "overwrite": run.overwrite}
+        with export_checkpoint(model, output, result, qconfig, files, **opts) as staged:
+            check = check_export(staged, output, tp=run.tp)
+            if chosen is not None:
+                record_budget(chosen, config, model, staged, [s.ids for s in data.samples], device, console)
+            barrier(ranks)  # the other processes are done; the gate runs on this one alone
+            if accept is not None:
+                accept(staged)
         shutil.rmtree(work, ignore_errors=True)
         console.print(
             f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
             f"export {time.perf_counter() - t1:.1f} s); checks for gptq_marlin at tp={run.tp} passed"
         )
         check.print_to(console)
-        barrier(ranks)
     return output

@@ -25,6 +25,7 @@ from ..formats.gptq_v1.packing import pack_gptq_v1
 from ..model.config import SalaConfig
 from ..model.layout import input_groups
 from ..model.modeling import DecoderLayer
+from ..serving import PLAIN_DTYPE
 from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
 from ..stats import GroupStats, LayerStats
@@ -110,7 +111,7 @@ class GPTQLayerQuantizer:
                 mods = [layer.get_submodule(m) for m in members]
                 if p.bits is None:
                     for m, mod in zip(members, mods, strict=True):
-                        tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
+                        tensors[f"{m}.weight"] = mod.weight.data.to(PLAIN_DTYPE).cpu()
                         report["linears"][m] = {"bits": 16}
                     continue
                 jobs.append((members, mods, h, p))
@@ -127,7 +128,7 @@ class GPTQLayerQuantizer:
                     mod.weight.data = value.to(mod.weight.device, mod.weight.dtype)
         for name, module in layer.named_modules():
             if name.endswith("norm") and hasattr(module, "weight"):
-                tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
+                tensors[f"{name}.weight"] = module.weight.data.to(PLAIN_DTYPE).cpu()
         return LayerResult(layer=layer, tensors=tensors, report=report)
 
     def _solve(

@@ -156,6 +156,30 @@ def build_plan(config: SalaConfig, opts: BitsOptions) -> dict[str, LinearPlan]:
     return plan
 
 
+def check_tp(config: SalaConfig, tp: int, largest: int = 64) -> None:
+    """Refuse a tensor-parallel size over which SGLang cannot split this model (naming a linear that does not
+    split and the sizes up to ``largest`` that do): the export would pass no check at it, nor be served."""
+    from ..formats.gptq_v1.check import tp_problems
+
+    problems = tp_problems(config, tp)
+    if problems:
+        fits = [str(t) for t in range(1, largest + 1) if not tp_problems(config, t)]
+        raise PlanError(
+            f"--tp {tp}: SGLang cannot split this model over {tp} GPUs ({problems[0]}); tensor-parallel sizes "
+            f"that split every layer: {', '.join(fits)}"
+        )
+
+
+def check_marlin_leaves_some(plan: dict[str, LinearPlan], excluded: dict[str, list[str]], tp: int) -> None:
+    """Refuse a plan whose every quantized linear `marlin_exclusions` had to keep in bf16 (nothing to export)."""
+    if excluded and all(p.bits is None for p in plan.values()):
+        name, reasons = next(iter(excluded.items()))
+        raise PlanError(
+            f"--tp {tp}: gptq_marlin cannot serve any linear the plan quantizes at tp={tp} (e.g. {name}: "
+            f"{reasons[0]}), so nothing would be exported as GPTQ; choose another --tp or other bits"
+        )
+
+
 def marlin_exclusions(config: SalaConfig, plan: dict[str, LinearPlan], tp: int) -> dict[str, list[str]]:
     """Keep in bf16 the linears gptq_marlin cannot serve at this tensor-parallel size (whole fused groups),
     changing ``plan`` in place; returns {linear: reasons} for the linears it excluded."""

@@ -44,6 +44,7 @@ __all__ = [
     "remove_stale_staging",
     "replace_folder",
     "save_state_dict",
+    "sibling_names",
     "staging_folder",
 ]
 
@@ -592,6 +593,17 @@ def remove_stale_staging(out_dir: Path) -> list[Path]:
     return removed
 
 
+_PID_DIGITS = 7  # Linux process ids are below 2**22 (pid_max at most 4194304)
+_RANDOM_CHARS = 8  # what tempfile.mkdtemp adds to its prefix
+
+
+def sibling_names(out_dir: Path) -> list[str]:
+    """The longest names `staging_folder` and `replace_folder` give the folders they make beside ``out_dir``
+    (process id and random part at their widest)."""
+    tail = f"{'P' * _PID_DIGITS}-{'X' * _RANDOM_CHARS}"
+    return [f".{out_dir.name}.tmp-{tail}", f".{out_dir.name}.old-{tail}"]
+
+
 def staging_folder(out_dir: Path) -> Path:
     """A new temporary folder beside ``out_dir`` (``.NAME.tmp-PID-*``), with the permissions of a folder made by
     ``mkdir`` under the current umask (``mkdtemp`` alone gives 0700: a server running as another user could not
@@ -638,6 +650,10 @@ class CheckpointWriter:
     unless ``overwrite`` is set, in which case it is removed only after the new folder is complete;
     a folder holding files salaquant did not write (`salaquant.ownership`) is refused even then
     (`salaquant.outputs.OutputError`), when the writer is made and again before it is replaced.
+
+    With ``place=False`` a clean exit leaves the complete folder at `staged`, beside ``out_dir``, for the caller to
+    check there; `move_into_place` then moves it (and `discard` removes it), so that a folder failing a check
+    never stands at ``out_dir``.
     """
 
     def __init__(
@@ -645,14 +661,17 @@ class CheckpointWriter:
         out_dir: str | Path,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         overwrite: bool = False,
+        place: bool = True,
     ) -> None:
         if max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.out_dir = Path(out_dir)
         self.max_shard_bytes = int(max_shard_bytes)
         self.overwrite = overwrite
+        self.place = place
         self._check_target()
         self._tmp: Path | None = None
+        self._staged: Path | None = None  # complete, not yet placed (place=False)
         self._closed = False
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_bytes = 0
@@ -828,8 +847,30 @@ class CheckpointWriter:
             }
             with naming(tmp / INDEX_NAME):
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        self._move_into_place(tmp)
+        if self.place:
+            self._move_into_place(tmp)
+        else:
+            self._staged = tmp
         self._closed = True
+
+    @property
+    def staged(self) -> Path:
+        """The complete folder a ``place=False`` writer left beside ``out_dir`` (until `move_into_place`)."""
+        if self._staged is None:
+            raise CheckpointError(f"CheckpointWriter for {self.out_dir} holds no complete folder to place")
+        return self._staged
+
+    def move_into_place(self) -> None:
+        """Move the `staged` folder to ``out_dir``."""
+        staged = self.staged
+        self._move_into_place(staged)
+        self._staged = None
+
+    def discard(self) -> None:
+        """Remove the `staged` folder (when there is one)."""
+        if self._staged is not None:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._staged = None
 
     def _move_into_place(self, tmp: Path) -> None:
         if self.out_dir.exists() or self.out_dir.is_symlink():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,7 @@ from ..budget.size import parse_budget
 from ..calib_data import CalibOptions
 from ..distributed import barrier, device_for
 from ..engine import CalibrationEngine, EngineOptions, resolve_device
-from ..export import export_checkpoint
-from ..formats.check import check_checkpoint
+from ..export import check_export, export_checkpoint
 from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config
 from ..model.checkpoint import CheckpointReader
 from ..outputs import work_dir_for
@@ -80,7 +80,10 @@ def run_nvfp4(
     run: NVFP4RunOptions,
     console: Console,
     extra_files: dict[str, Any] | None = None,
+    accept: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Quantize ``model`` into ``output``. ``accept`` (a recipe's eval gate) sees the complete, format-checked
+    export before it is moved to ``output``; it raises an `ExportRejected` to keep it beside ``output`` instead."""
     config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
         console = Console(quiet=True)
@@ -97,11 +100,12 @@ def run_nvfp4(
             budget_range(reader, config, units, budget)  # a budget that cannot be met fails before any work
     work = work_dir_for(output)
     device = device_for(ranks, resolve_device(run.device))
+    sizes = summarize(config)
+    size = sizes.nvfp4_dense_all_bytes if run.dense_all else sizes.nvfp4_default_bytes
+    check_run_space(output, config, size, size, run.resume)  # before the data is read; its hidden states after
     with guarded_run(work, resume=run.resume, overwrite=run.overwrite, ranks=ranks):
         data = prepare_calibration(model, sources, calib, console)
-        sizes = summarize(config)
-        size = sizes.nvfp4_dense_all_bytes if run.dense_all else sizes.nvfp4_default_bytes
-        check_run_space(output, config, size, data.total_tokens, size)
+        check_run_space(output, config, size, size, run.resume, data.total_tokens)
         chosen = None
         if budget is not None:
             with CheckpointReader(model) as reader:
@@ -139,28 +143,24 @@ def run_nvfp4(
         console.print(table)
         qconfig = flat_quantization_config(exclude_modules)
         report = run_report(engine, data, result, t_calib, summary)
-        export_checkpoint(
-            model,
-            output,
-            result,
-            qconfig,
-            {
-                "hf_quant_config.json": hf_quant_config(exclude_modules),
-                "quant_report.json": report,
-                "salaquant_settings.json": settings,
-                **(extra_files or {}),
-            },
-            max_shard_bytes=run.max_shard_bytes,
-            overwrite=run.overwrite,
-        )
-        check = check_checkpoint(output)
-        if chosen is not None:
-            record_budget(chosen, config, model, output, [s.ids for s in data.samples], device, console)
+        files = {
+            "hf_quant_config.json": hf_quant_config(exclude_modules),
+            "quant_report.json": report,
+            "salaquant_settings.json": settings,
+            **(extra_files or {}),
+        }
+        opts = {"max_shard_bytes": run.max_shard_bytes, "overwrite": run.overwrite}
+        with export_checkpoint(model, output, result, qconfig, files, **opts) as staged:
+            check = check_export(staged, output)
+            if chosen is not None:
+                record_budget(chosen, config, model, staged, [s.ids for s in data.samples], device, console)
+            barrier(ranks)  # the other processes are done; the gate runs on this one alone
+            if accept is not None:
+                accept(staged)
         shutil.rmtree(work, ignore_errors=True)
         console.print(
             f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
             f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
         )
         check.print_to(console)
-        barrier(ranks)
     return output

@@ -26,6 +26,7 @@ from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantiz
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
+from ..serving import PLAIN_DTYPE
 from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
 from ..stats import LayerStats
@@ -163,7 +164,7 @@ class NVFP4LayerQuantizer:
             for m in g.members:
                 mod = layer.get_submodule(m)
                 if prefix + m not in self.plan.quantized:
-                    tensors[f"{m}.weight"] = mod.weight.data.to(torch.bfloat16).cpu()
+                    tensors[f"{m}.weight"] = mod.weight.data.to(PLAIN_DTYPE).cpu()
                     report["linears"][m] = {"format": "bf16"}
                     continue
                 ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
@@ -178,7 +179,7 @@ class NVFP4LayerQuantizer:
             tensors.update({f"{name}.{k}": v.cpu() for k, v in got.items()})
         for name, module in layer.named_modules():
             if name.endswith("norm") and hasattr(module, "weight"):
-                tensors[f"{name}.weight"] = module.weight.data.to(torch.bfloat16).cpu()
+                tensors[f"{name}.weight"] = module.weight.data.to(PLAIN_DTYPE).cpu()
         result = LayerResult(layer=layer, tensors=tensors, report=report)
         if searches:
             result.observe = {members[0]: search for search, members in searches.values()}

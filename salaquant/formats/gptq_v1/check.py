@@ -12,7 +12,7 @@ import torch
 
 from ...model.checkpoint import CheckpointReader
 from ...model.config import SalaConfig
-from ...model.layout import TP_SPLIT, fused_name, head_dim, split_layer_name
+from ...model.layout import TP_SPLIT, fused_name, head_dim, layer_linears, split_layer_name
 from ...serving import LM_HEAD_REFUSAL
 from ..report import CheckReport, fail
 from .dynamic import first_match, resolve
@@ -97,10 +97,9 @@ def _check_gptq_config(qc: dict[str, Any], errors: list[str], warnings: list[str
 
 
 def _partition(
-    name: str, kind: str | None, in_f: int, out_f: int, tp: int, head_dim: int | None, errors: list[str]
+    tensor: str, kind: str | None, in_f: int, out_f: int, tp: int, head_dim: int | None, errors: list[str]
 ) -> tuple[int, int] | None:
-    """(in, out) of the shard one tensor-parallel rank holds, or None (error recorded)."""
-    tensor = f"{name}.qweight"
+    """(in, out) of the shard of ``tensor`` one tensor-parallel rank holds, or None (error recorded)."""
     if tp == 1 or kind is None:
         return in_f, out_f
     split = TP_SPLIT[kind]
@@ -153,9 +152,22 @@ def marlin_shape_problems(
     kind = parts[1] if parts and parts[1] in TP_SPLIT else None
     head_dim = _layer_head_dim(config, module)
     errors: list[str] = []
-    part = _partition(module, kind, in_features, out_features, tp, head_dim, errors)
+    part = _partition(f"{module}.qweight", kind, in_features, out_features, tp, head_dim, errors)
     if part is not None:
         _marlin_shape(module, part[0], part[1], group_size, tp, errors)
+    return errors
+
+
+def tp_problems(config: SalaConfig, tp: int) -> list[str]:
+    """Where SGLang could not split this model's decoder linears over ``tp`` GPUs, whatever their format (whole
+    heads per rank, divisible inputs or outputs); empty when every one splits. The first layer of each kind
+    stands for the others (same shapes)."""
+    errors: list[str] = []
+    for kind in dict.fromkeys(config.mixer_types):
+        i = config.mixer_types.index(kind)
+        for spec in layer_linears(config, kind):
+            module = f"model.layers.{i}.{spec.name}"
+            _partition(module, spec.name, spec.in_features, spec.out_features, tp, head_dim(config, kind), errors)
     return errors
 
 
@@ -262,7 +274,7 @@ def _check_gptq_module(
     if not bool(torch.isfinite(scales).all()):
         errors.append(f"{name}.scales: holds inf or NaN")
 
-    part = _partition(name, kind, in_f, out_f, tp, head_dim, errors)
+    part = _partition(f"{name}.qweight", kind, in_f, out_f, tp, head_dim, errors)
     if part is not None:
         _marlin_shape(name, part[0], part[1], gs, tp, errors)
 
