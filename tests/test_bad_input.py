@@ -346,7 +346,10 @@ def test_disk_full_during_calibration(model: Path, tmp_path: Path, monkeypatch) 
     line = _one_error_line(res)
     work = outputs.work_dir_for(out)  # on a CPU the two layers finished before are kept for --resume
     assert "q.work/layers/002.safetensors.tmp: No space left on device" in line
-    assert f"layers 1-2 of 4 are kept in {work}: rerun the same command with --resume to continue from layer 3" in line
+    assert (
+        f"layers 1-2 of 4 are kept in {work}: once the cause is fixed, rerun with --resume to continue from layer 3"
+        in line
+    )
     assert not out.exists() and json.loads((work / "state.json").read_text())["finished"] == 2
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.glob(".q.tmp-*"))
 

@@ -154,7 +154,7 @@ def test_a_file_added_during_a_run_stops_the_replacement(tmp_path: Path) -> None
 def test_gate_folders_of_the_users_are_refused_before_any_work(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "g"
     gate = ["--set", f"eval.data={HELDOUT}", "--set", "eval.seq_len=128", "--set", "eval.windows=1"]
-    for suffix, role in ((".gate-pending", "where the export waits for its gate"), (".gate-failed", "a failed gate")):
+    for suffix, role in ((".check-failed", "failing its check is kept"), (".gate-failed", "failing its gate is kept")):
         folder = Path(f"{out}{suffix}")
         before = _user_folder(folder)
         res = _cli("run", "rtn-w4a16", "-i", str(model), "-o", str(out), "--calib", CALIB, *gate, "--overwrite")
@@ -162,7 +162,7 @@ def test_gate_folders_of_the_users_are_refused_before_any_work(model: Path, tmp_
         line = _one_error_line(res)
         assert f"{folder}, " in line and role in line, line
         assert "holds files salaquant did not write (notes.txt, sub/)" in line
-        assert _contents(folder) == before and not out.exists() and not Path(f"{out}.gate-pending.work").exists()
+        assert _contents(folder) == before and not out.exists() and not outputs.work_dir_for(out).exists()
         shutil.rmtree(folder)
 
 
