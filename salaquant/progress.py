@@ -220,6 +220,8 @@ class EngineProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self._lines is not None:  # what a heartbeat names while the command goes on (export, checks)
+            self._lines.line(f"calibration ended ({self._layers_total} layers)")
         self._lines = None
         self._stack.close()
         if not self.enabled:

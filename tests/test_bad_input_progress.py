@@ -320,11 +320,15 @@ def test_ctrl_c_between_resume_points_says_where_resume_starts(tiny_ckpt: Path, 
 # ------------------------------------------------------------------------------------- counts that agree
 
 
-def test_gptq_and_check_count_the_16_bit_linears_alike(interrupted_then_resumed: dict) -> None:
-    out, said = interrupted_then_resumed["out"], " ".join(interrupted_then_resumed["second"].output.split())
-    kept = len(json.loads((out / "salaquant_settings.json").read_text())["marlin_exclusions"])
-    assert kept > 0  # the tiny shapes: k/v projections of 8 rows, and q fused with them
+def test_gptq_and_check_count_the_16_bit_linears_alike(tiny_ckpt: Path, interrupted_then_resumed: dict) -> None:
+    from salaquant.gptq.plan import BitsOptions, build_plan, marlin_exclusions
+    from salaquant.model.config import SalaConfig
+
+    config = SalaConfig.from_dict(json.loads((tiny_ckpt / "config.json").read_text()))
+    kept = len(marlin_exclusions(config, build_plan(config, BitsOptions()), 1))
+    assert kept == 6  # the minicpm4 layers' k/v projections (8 rows) and their fused q, two layers
+    said = " ".join(interrupted_then_resumed["first"].output.split())
     assert f"keeping {kept} decoder linears in bf16 (lm_head, never quantized, is kept too): gptq_marlin" in said
-    res = runner.invoke(app, ["check", str(out)])
+    res = runner.invoke(app, ["check", str(interrupted_then_resumed["out"])])
     assert res.exit_code == 0, res.output
     assert f"{kept + 1} kept in 16 bits (lm_head and {kept} decoder linears)" in " ".join(res.output.split())
