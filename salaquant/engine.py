@@ -373,9 +373,12 @@ class CalibrationEngine:
             pinned=self.opts.pin_memory and self.device.type == "cuda",
             layer_bytes=self._largest_layer_bytes(),
         )
-        advice = "use fewer or shorter calibration samples (--max-samples, --max-len)"
+        advice = (
+            "use fewer or shorter calibration samples (--max-samples, --max-len; in a recipe calibration.max_samples, "
+            "calibration.max_len)"
+        )
         if float_sets and quantizer is not None:
-            advice += ", or quantized propagation (half the hidden-state memory)"
+            advice += ", or quantized propagation (--propagate quantized; half the hidden-state memory)"
         message = host_memory.check_host_memory(plan, host_memory.meminfo, advice=advice)
         log.info("host memory: %s", plan.describe())
         if message is not None:

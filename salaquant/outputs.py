@@ -58,14 +58,15 @@ def failed_dir_for(output: Path, check: str) -> Path:
 
 
 def derived_names(output: Path) -> list[str]:
-    """Every name salaquant gives a folder beside ``output``, at its longest: the work folder, the exports that
-    failed a check, and the staging and backup folders of each folder it replaces (`sibling_names`: the longest
-    is the backup of an older ``OUT.check-failed``)."""
-    from .model.checkpoint import sibling_names
+    """Every name salaquant gives a folder beside ``output``, at its longest: the work folder, the writer's
+    staging folder, the backups of replaced folders and the exports that failed a check (the longest: the backup
+    of an older ``OUT.check-failed``)."""
+    from .model.checkpoint import backup_name, staging_name
 
-    names = [work_dir_for(output).name]
-    for folder in (output, *(failed_dir_for(output, c) for c in FAILED_CHECKS)):
-        names += [folder.name, *sibling_names(folder)]
+    names = [output.name, work_dir_for(output).name, staging_name(output), backup_name(output)]
+    for check in FAILED_CHECKS:
+        failed = failed_dir_for(output, check)
+        names += [failed.name, backup_name(failed)]
     return names
 
 

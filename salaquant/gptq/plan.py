@@ -173,10 +173,11 @@ def check_tp(config: SalaConfig, tp: int, largest: int = 64) -> None:
 def check_marlin_leaves_some(plan: dict[str, LinearPlan], excluded: dict[str, list[str]], tp: int) -> None:
     """Refuse a plan whose every quantized linear `marlin_exclusions` had to keep in bf16 (nothing to export)."""
     if excluded and all(p.bits is None for p in plan.values()):
-        name, reasons = next(iter(excluded.items()))
+        own = [reasons[0] for reasons in excluded.values() if not reasons[0].startswith("fused with")]
         raise PlanError(
-            f"--tp {tp}: gptq_marlin cannot serve any linear the plan quantizes at tp={tp} (e.g. {name}: "
-            f"{reasons[0]}), so nothing would be exported as GPTQ; choose another --tp or other bits"
+            f"--tp {tp}: gptq_marlin cannot serve any linear the plan quantizes at tp={tp} (e.g. "
+            f"{(own or [next(iter(excluded))])[0]}), so nothing would be exported as GPTQ; choose another --tp or "
+            "other bits"
         )
 
 

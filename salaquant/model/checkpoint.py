@@ -40,12 +40,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriter",
+    "backup_name",
     "read_json_object",
     "remove_stale_staging",
     "replace_folder",
     "save_state_dict",
-    "sibling_names",
     "staging_folder",
+    "staging_name",
 ]
 
 CONFIG_NAME = "config.json"
@@ -597,11 +598,17 @@ _PID_DIGITS = 7  # Linux process ids are below 2**22 (pid_max at most 4194304)
 _RANDOM_CHARS = 8  # what tempfile.mkdtemp adds to its prefix
 
 
-def sibling_names(out_dir: Path) -> list[str]:
-    """The longest names `staging_folder` and `replace_folder` give the folders they make beside ``out_dir``
-    (process id and random part at their widest)."""
-    tail = f"{'P' * _PID_DIGITS}-{'X' * _RANDOM_CHARS}"
-    return [f".{out_dir.name}.tmp-{tail}", f".{out_dir.name}.old-{tail}"]
+_WIDEST_TAIL = f"{'P' * _PID_DIGITS}-{'X' * _RANDOM_CHARS}"
+
+
+def staging_name(out_dir: Path) -> str:
+    """The longest name `staging_folder` gives the folder it makes beside ``out_dir``."""
+    return f".{out_dir.name}.tmp-{_WIDEST_TAIL}"
+
+
+def backup_name(out_dir: Path) -> str:
+    """The longest name `replace_folder` gives the backup of an existing ``out_dir`` it replaces."""
+    return f".{out_dir.name}.old-{_WIDEST_TAIL}"
 
 
 def staging_folder(out_dir: Path) -> Path:
