@@ -204,6 +204,8 @@ def test_cli_bad_input(export: Path, tiny_ckpt: Path, tmp_path: Path) -> None:
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "Too short for a window."}) + "\n")
     cases = [
         ([str(tmp_path / "nope"), "-r", str(MODEL)], "nope"),
         ([str(llama), "-r", str(MODEL)], "model_type"),
@@ -214,7 +216,8 @@ def test_cli_bad_input(export: Path, tiny_ckpt: Path, tmp_path: Path) -> None:
         ([str(export), "-r", str(MODEL), "--niah", "16"], "too short"),
         ([str(export), "-r", str(MODEL), "--attention", "fast"], "--attention"),
         ([str(export), "-r", str(MODEL), "--data", str(tmp_path / "none.jsonl")], "none.jsonl"),
-        ([str(export), "-r", str(MODEL), "--max-len", "999999"], "fewer than one window"),
+        ([str(export), "-r", str(MODEL), "--data", str(short)], "fewer than one window"),
+        ([str(export), "-r", str(MODEL), "--max-len", "999999"], "--max-len 999999: longer than the model's 8192"),
         ([str(export), "-r", str(MODEL), "--gen-tokens", "0", "--no-new-loops"], "--no-new-loops"),
     ]
     for args, needle in cases:
