@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "sala-tiny"
 CALIB = str(ROOT / "calib" / "sala-tiny-calib.jsonl")
 SMALL = ["--max-samples", "2", "--max-len", "64", "--device", "cpu"]
-INTERVAL = 0.4  # seconds between lines asked of the heartbeat
-SLOW = 2.5  # seconds of the slowed step: six intervals
-SLACK = 0.6  # a loaded 2-core machine's scheduling delay allowed on top of the interval
+INTERVAL = 0.5  # seconds between lines asked of the heartbeat
+SLOW = 5.0  # seconds of the slowed step: ten intervals, and more than twice the bound a line must meet
+SLACK = 1.5  # a loaded 2-core machine's scheduling delay allowed on top of the interval
 SETTING = "SALAQUANT_PROGRESS_SECONDS"  # the interval, seconds
 runner = CliRunner()
 
@@ -217,20 +217,22 @@ def test_a_long_generation_prints_lines_on_stderr_and_only_its_text_on_stdout(
     from salaquant.runtime.decode import Decoder
 
     step = Decoder._step
+    called: list[float] = []  # when each slowed step started: the window the heartbeat must cover
 
     def slow(self, state):
-        time.sleep(0.3)
+        called.append(time.perf_counter())
+        time.sleep(0.35)
         return step(self, state)
 
     monkeypatch.setattr(Decoder, "_step", slow)
     clocked = _listen(monkeypatch)
     stdout = _Clocked()
     monkeypatch.setattr(sys, "stdout", stdout)
-    args = ["generate", str(tiny_ckpt), "--prompt", "The king", "--max-new-tokens", "10", "--device", "cpu"]
+    args = ["generate", str(tiny_ckpt), "--prompt", "The king", "--max-new-tokens", "20", "--device", "cpu"]
     app(args, standalone_mode=False)
     steps = [t for t, text in clocked.lines if "salaquant generate: started; token " in text]
-    assert len(steps) >= 4, clocked.lines  # nine slowed steps: 2.7 s
-    _assert_heard_through(clocked.lines, steps[0], clocked.lines[-1][0], "token ")
+    assert len(steps) >= 4, clocked.lines  # nineteen slowed steps: 6.65 s
+    _assert_heard_through(clocked.lines, called[0], called[-1], "token ")
     assert [text for _, text in stdout.lines] == [stdout.lines[0][1]] and stdout.lines[0][1].startswith("The king")
 
 
