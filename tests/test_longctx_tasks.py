@@ -171,3 +171,25 @@ def test_nothing_of_evals_templates_keys_or_filler(gen: lt.TaskGenerator) -> Non
             assert not re.search(rf"\b({'|'.join(niah.KEYS)})\b", text), kind
     rng = __import__("random").Random(0)
     assert not set(lt.made_up_words(rng, 200)) & set(tasks.nonsense_words(rng, 200))
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_repeat_trains_the_second_copy_of_a_span(gen: lt.TaskGenerator, index: int) -> None:
+    for n in (64, 1024):
+        s = gen.make(index, n, "repeat")
+        trained = np.flatnonzero(s.mask)
+        assert trained.size and trained[-1] == s.ids.size - 1 and np.all(np.diff(trained) == 1)
+        span = trained.size + 1  # the second copy: its first token is not predictable, the rest are trained
+        second = s.ids[-span:]
+        firsts = [i for i in range(1, s.ids.size - 2 * span + 1) if np.array_equal(s.ids[i : i + span], second)]
+        assert firsts, "the trained span is stated before"
+        assert s.ids[0] == 1 and 8 <= span <= (n - 1) // 2 + 1
+    spans = {gen.make(i, 4096, "repeat").mask.sum() for i in range(40)}
+    assert min(spans) < 64 and max(spans) > 512  # lengths spread from short to long spans
+
+
+def test_every_kind_fits_the_shortest_packed_instance(gen: lt.TaskGenerator) -> None:
+    for kind in lt.KINDS:  # packed rows of 512 tokens hold instances from 0.6 x 512 tokens on
+        for index in range(25):
+            s = gen.make(index, 300, kind)
+            assert s.ids.size <= 300 and s.mask.any(), kind

@@ -21,11 +21,16 @@ Kinds (``KINDS``):
   two distractor chains; the question asks for every name holding the value, answered in chain order;
 * ``common``: a separated list of words in which 3 to 10 words repeat most; the question asks for them;
 * ``frequent``: coded words drawn with Zipf weights; the question asks for the 1 to 3 most frequent, whose counts
-  are made distinct.
+  are made distinct;
+* ``repeat``: a span of corpus tokens (in text order, or shuffled so that only copying predicts it) stated twice
+  with corpus text between; every token of the second copy after its first is trained. No template at all: the
+  plainest retrieval, with a dense training signal, from which a copy (induction) circuit forms far sooner than
+  from the few answer tokens of the other kinds.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("kv", "multivalue", "chain", "common", "frequent")
-DEFAULT_WEIGHTS = {"kv": 0.4, "multivalue": 0.12, "chain": 0.28, "common": 0.1, "frequent": 0.1}
+KINDS = ("kv", "multivalue", "chain", "common", "frequent", "repeat")
+DEFAULT_WEIGHTS = {"kv": 0.3, "multivalue": 0.1, "chain": 0.2, "common": 0.1, "frequent": 0.1, "repeat": 0.2}
 """Share of each kind among the instances (keyed retrieval and chains first: eval's main long-context rows)."""
+SHUFFLED_SHARE = 0.5
+"""Share of ``repeat`` spans whose tokens are shuffled (copying is then the only way to predict them)."""
 SYNTHETIC_SHARE = 0.3
 """Share of retrieval/chain haystacks made of this module's short sentences instead of corpus text."""
 
@@ -238,6 +245,7 @@ class TaskGenerator:
             "chain": self._chain,
             "common": self._common,
             "frequent": self._frequent,
+            "repeat": self._repeat,
         }
 
     # ------------------------------------------------------------------ entry points
@@ -420,7 +428,7 @@ class TaskGenerator:
         return self._assemble(rng, length, "chain", rng.choice(CHAIN_HEADER), inserts, tail, list(target), ordered=True)
 
     def _common(self, rng: random.Random, length: int) -> TaskSample:
-        top = rng.randint(3, 10)
+        top = rng.randint(3, max(3, min(10, length // 128)))
         sep = rng.choice(COMMON_SEPARATORS)
         header = rng.choice(COMMON_HEADER)
         question = rng.choice(COMMON_QUESTION).format(c=top)
@@ -505,3 +513,22 @@ class TaskGenerator:
         for w in words:
             ids.extend(self.enc(" " + w))
         return self._finish(rng, "frequent", ids, [False] * len(ids), question, answers)
+
+    def _repeat(self, rng: random.Random, length: int) -> TaskSample:
+        """``[BOS] lead span gap span``: span lengths log-uniform from 8 tokens to half the instance, the gap and
+        the lead corpus text splitting the rest at random, so copy distances cover the whole length."""
+        room = length - 1
+        if room < 24:
+            raise ValueError(f"repeat: {length} tokens are too few")
+        span_len = round(math.exp(rng.uniform(math.log(8), math.log(room // 2))))
+        span = self._corpus_slice(rng, span_len)
+        if rng.random() < SHUFFLED_SHARE:
+            span = span[np.random.default_rng(rng.getrandbits(32)).permutation(span_len)]
+        rest = room - 2 * span_len
+        gap = rng.randint(0, rest)
+        lead = self._corpus_slice(rng, rng.randint(0, rest - gap))
+        parts = [np.array([self.bos], dtype=np.int32), lead, span, self._corpus_slice(rng, gap), span]
+        ids = np.concatenate(parts)
+        mask = np.zeros(ids.size, dtype=bool)
+        mask[ids.size - span_len + 1 :] = True
+        return TaskSample("repeat", ids, mask, [])

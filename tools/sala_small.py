@@ -1,8 +1,8 @@
 """sala-small: its configuration, the fast training path and the checkpoint writer shared by the training, check
 and eval tools.
 
-The model is the real MiniCPM-SALA design at 31.5M parameters: 8 layers with minicpm4 at 0 and 7 (the real 1:3
-ratio), hidden 512, intermediate 1280, head_dim 128 everywhere (minicpm4: 8 query heads over 2 KV heads, no RoPE,
+The model is the real MiniCPM-SALA design at 12.6M parameters: 8 layers with minicpm4 at 0 and 7 (the real 1:3
+ratio), hidden 256, intermediate 768, head_dim 128 everywhere (minicpm4: 8 query heads over 2 KV heads, no RoPE,
 o_gate; lightning: 4 heads with RoPE, q/k norms, z_proj and o_norm), the real scale_emb / scale_depth /
 dim_model_base and the real ``sparse_config`` (dense_len 8192: 16K prompts run InfLLM-v2 sparse attention).
 
@@ -37,8 +37,8 @@ def small_config(vocab_size: int = 4096) -> dict[str, Any]:
     """The sala-small ``config.json`` (the real format: the published config with the sizes changed)."""
     cfg = preset_config("full", vocab_size=vocab_size)
     cfg.update(
-        hidden_size=512,
-        intermediate_size=1280,
+        hidden_size=256,
+        intermediate_size=768,
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=2,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from longctx_tasks import TaskGenerator, sentence_ends
+from probe_small import copy_accuracy
 from sala_small import build_model, use_fast_path, write_checkpoint
 
 from salaquant.eval.perplexity import perplexity
@@ -248,13 +249,17 @@ def main() -> None:
             torch.cuda.synchronize()
             now = time.time()
             st["seconds"] += now - t_last
-            t_last = now
             entry = {
                 "step": st["step"],
                 "loss": round(float(loss), 4),
                 "tokens": st["tokens"],
                 "seconds": round(st["seconds"]),
             }
+            if st["step"] % 200 == 0:  # whether a copy circuit has formed (random tokens repeated, 512 tokens)
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    entry["copy_acc"] = round(copy_accuracy(model, 512, st["step"], dev), 3)
+                torch.cuda.synchronize()
+            t_last = time.time()
             st["log"].append(entry)
             print(entry, flush=True)
     torch.cuda.synchronize()
