@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from salaquant.model import attention
@@ -37,7 +38,7 @@ def test_config_is_the_real_design_at_marlin_sizes() -> None:
         if "layers" in name:
             assert all(d % 128 == 0 for d in shape), (name, shape)
     params = sum(torch.Size(s).numel() for s in shapes.values())
-    assert params * 2 <= 64 * 2**20
+    assert params * 2 <= sala_small.MAX_MODEL_BYTES
 
 
 def test_written_checkpoint_loads_to_the_same_logits(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_written_checkpoint_loads_to_the_same_logits(tmp_path: Path) -> None:
     out = sala_small.write_checkpoint(model, tmp_path / "ck", ROOT / "models/sala-tiny")
     shards = sorted(out.glob("*.safetensors"))
     assert shards and all(p.stat().st_size <= sala_small.MAX_SHARD_BYTES for p in shards)
-    assert sum(p.stat().st_size for p in shards) <= 64 * 2**20
+    assert sum(p.stat().st_size for p in shards) <= sala_small.MAX_MODEL_BYTES
     assert (out / "tokenizer.json").read_bytes() == (ROOT / "models/sala-tiny/tokenizer.json").read_bytes()
     ids = torch.randint(3, 4096, (1, 80), generator=torch.Generator().manual_seed(1))
     loaded = load_model(out)
@@ -70,3 +71,23 @@ def test_fast_path_binds_and_unbinds() -> None:
         sala_small.use_reference_path(model)
     assert attention.dense_causal_attention is reference
     assert all(m.gla_fn is simple_gla for m in model.modules() if hasattr(m, "gla_fn"))
+
+
+def test_checkpoint_replaces_its_own_folder_only(tmp_path: Path) -> None:
+    model = sala_small.build_model()
+    out = tmp_path / "ck"
+    sala_small.write_checkpoint(model, out, ROOT / "models/sala-tiny")
+    (out / sala_small.SUMMARY).write_text("{}")  # as the training tool leaves it
+    sala_small.write_checkpoint(model, out, ROOT / "models/sala-tiny")  # a later call writes the same folder
+    assert (out / "config.json").is_file() and not (out / sala_small.SUMMARY).exists()
+    (out / sala_small.SUMMARY).write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"notes\.txt"):
+        sala_small.write_checkpoint(model, out, ROOT / "models/sala-tiny")
+    assert (out / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"train_summary\.json"):
+        sala_small.write_checkpoint(model, user, ROOT / "models/sala-tiny")
+    assert (user / "config.json").read_text() == "{}"

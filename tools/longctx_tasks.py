@@ -42,6 +42,8 @@ import numpy as np
 KINDS = ("kv", "multivalue", "chain", "common", "frequent", "repeat")
 DEFAULT_WEIGHTS = {"kv": 0.3, "multivalue": 0.1, "chain": 0.2, "common": 0.1, "frequent": 0.1, "repeat": 0.2}
 """Share of each kind among the instances (keyed retrieval and chains first: eval's main long-context rows)."""
+MAX_ATTEMPTS = 20
+"""Draws of an instance before a length is reported too short for its kind."""
 SHUFFLED_SHARE = 0.5
 """Share of ``repeat`` spans whose tokens are shuffled (copying is then the only way to predict them)."""
 SYNTHETIC_SHARE = 0.3
@@ -255,7 +257,14 @@ class TaskGenerator:
         if kind is None:
             names = list(self.weights)
             kind = rng.choices(names, [self.weights[n] for n in names])[0]
-        sample = self.makers[kind](rng, length)
+        for attempt in range(MAX_ATTEMPTS):  # a draw too large for the length is drawn again (deterministically)
+            try:
+                sample = self.makers[kind](rng, length)
+                break
+            except ValueError:
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise
+                rng = random.Random(f"sala-small-tasks:{self.seed}:{index}:{length}:{attempt + 1}")
         assert sample.ids.size <= length, (kind, sample.ids.size, length)
         return sample
 

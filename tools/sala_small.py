@@ -15,6 +15,7 @@ SDPA on KV heads repeated to the query heads (so the flash kernel applies). Ever
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from salaquant.model.tiny import preset_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_SHARD_BYTES = 15 * 10**6
+MAX_MODEL_BYTES = 28 * 2**20
+"""The checkpoint's bound: small enough that the repository with both shipped models stays well under 64 MiB."""
 
 
 def small_config(vocab_size: int = 4096) -> dict[str, Any]:
@@ -125,16 +128,38 @@ _REFERENCE_ATTENTION = attention_module.dense_causal_attention
 def write_checkpoint(model: SalaForCausalLM, out: Path, tokenizer_dir: Path) -> Path:
     """The bf16 checkpoint in the real format: sharded safetensors (no shard above ``MAX_SHARD_BYTES``),
     ``config.json``, ``generation_config.json`` and the tokenizer files."""
+    if out.exists():
+        clear_previous(out)
     state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
     raw = model.config.to_dict()
     raw["architectures"] = ["MiniCPMSALAForCausalLM"]
-    save_state_dict(state, out, raw, max_shard_bytes=MAX_SHARD_BYTES, overwrite=True)
+    save_state_dict(state, out, raw, max_shard_bytes=MAX_SHARD_BYTES)
     gen = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copyfile(tokenizer_dir / name, out / name)
     return out
+
+
+SUMMARY = "train_summary.json"
+WRITTEN = ("config.json", "generation_config.json", "model.safetensors.index.json", SUMMARY, *TOKENIZER_FILES)
+
+
+def clear_previous(out: Path) -> None:
+    """Remove a checkpoint an earlier call wrote to ``out`` (it holds ``train_summary.json`` and nothing but what
+    ``write_checkpoint`` and the training tool write), so that every call can write the same folder; any other
+    folder is refused, never emptied."""
+    entries = list(out.iterdir())
+    shard = re.compile(r"model[-\w]*\.safetensors")
+    ours = [p for p in entries if p.is_file() and (p.name in WRITTEN or shard.fullmatch(p.name))]
+    if not (out / SUMMARY).is_file() or len(ours) != len(entries):
+        others = sorted(p.name for p in entries if p not in ours)
+        raise SystemExit(f"{out} is not a checkpoint this tool wrote ({', '.join(others[:4]) or 'no ' + SUMMARY}): "
+                         "choose another --out")  # fmt: skip
+    for p in ours:
+        p.unlink()
+    out.rmdir()
 
 
 def build_model(vocab_size: int = 4096) -> SalaForCausalLM:

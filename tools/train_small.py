@@ -1,19 +1,20 @@
 """Train sala-small (``tools/sala_small.py``) on one GPU: corpus language modelling mixed with the long-context tasks
 of ``tools/longctx_tasks.py``, resumable, so that training runs as a series of calls under 10 minutes each.
 
-Every step holds ``--tokens-per-step`` tokens in rows of one length drawn from ``--lengths`` (1K to 16K): a
-``--lm-share`` of the rows are corpus slices trained on every token, the others task instances trained on their
-answers only, so the corpus is passed over about ``lm-share x tokens / train size`` times in all. The first call
-times a few steps of each length and fixes the schedule (``--train-minutes`` of training over all calls; AdamW,
-warm-up, cosine to 10%); each call trains until its ``--minutes`` are spent, saves the resumable state
-(``--state``: fp32 weights, optimizer, data position) and writes the bf16 checkpoint in the real format
-(``--out``), which a later call can also resume from, with a fresh optimizer, where the state is lost
-(``--resume-from``). The validation split is the tail of the train split (never a haystack); the held-out split
-is read only for the perplexity printed at the end.
+Every step holds a stage's ``tokens_per_step`` tokens in rows of one length drawn from its ``lengths`` (512 to
+16K): an ``lm_share`` of the rows are corpus slices trained on every token, the others task instances trained on
+their answers only. ``--recipe`` runs the shipped model's stages (``RECIPE``) in order, each with a fixed schedule
+(AdamW, warm-up, cosine to 10%), a fresh optimiser and the previous stage's weights rounded to bf16; without it,
+the command-line flags make one stage whose first call times a few steps of each length and fixes its schedule from
+``--train-minutes``. Each call trains until its ``--minutes`` are spent, saves the resumable state (``--state``:
+fp32 weights, optimizer, stage and step; every batch is a function of the stage's seed and the step) and writes
+the bf16 checkpoint in the real format (``--out``), which a later call can also resume from, with a fresh
+optimizer, where the state is lost (``--resume-from``). The validation split is the tail of the train split
+(never a haystack); the held-out split is read only for the perplexity printed at the end of a call.
 
-  python tools/train_small.py --train work_data/corpus/train_tokens.u16.npy \\
+  python tools/train_small.py --recipe --train work_data/corpus/train_tokens.u16.npy \\
       --heldout work_data/corpus/heldout_tokens.u16.npy --tokenizer models/sala-tiny \\
-      --out OUT/sala-small --state /tmp/sala-small.pt --train-minutes 18 --minutes 7
+      --out OUT/sala-small --state /tmp/sala-small.pt --minutes 9.5      # again until all stages are done
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,13 +67,44 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One schedule of the curriculum: its data mix, optimiser settings and length. ``schedule`` is the step count
+    the learning rate decays over (0: timed from ``--train-minutes`` on the first call); ``steps`` where training
+    stops (the shipped run ended two stages a few steps before their schedule's end, where a call's time ran out)."""
+
+    name: str
+    lengths: str
+    kinds: str
+    lm_share: float
+    lr: float
+    warmup: int
+    tokens_per_step: int
+    seed: int
+    schedule: int = 0
+    steps: int = 0
+    max_keys: int = 16
+    max_questions: int = 4
+
+
+LONG_LENGTHS = "1024:1,2048:2,4096:3,8192:2,16384:2"
+SHORT_KINDS = "repeat:0.35,kv:0.35,multivalue:0.1,chain:0.1,common:0.05,frequent:0.05"
+RECIPE = (
+    Stage("short", "512:1,1024:2,2048:2,4096:1", SHORT_KINDS, 0.2, 3e-3, 100, 65536, 0, 3488, 3488),
+    Stage("long", LONG_LENGTHS, "", 0.2, 2e-3, 50, 131072, 1, 1585, 1526),
+    Stage("copy", "512:1,1024:1", "repeat:1", 0.1, 2e-3, 50, 65536, 2, 3068, 3051),
+)  # fmt: skip
+"""The shipped sala-small's curriculum: short mixed tasks from random weights, the long mix, then repeated spans
+alone (the copy circuit formed there within 200 steps, after two stages without it)."""
+
+
 class Batches(torch.utils.data.IterableDataset):
     """Step ``s``'s rows, from ``start`` on; worker ``w`` of ``W`` builds the steps ``s = w (mod W)``, so the
     DataLoader's round robin yields them in order. Everything is a function of ``(seed, s)``."""
 
-    def __init__(self, args: argparse.Namespace, corpus: np.ndarray, ends: np.ndarray, start: int) -> None:
-        self.args, self.corpus, self.ends, self.start = args, corpus, ends, start
-        self.lengths = parse_lengths(args.lengths)
+    def __init__(self, stage: Stage, tokenizer: Path, corpus: np.ndarray, ends: np.ndarray, start: int) -> None:
+        self.args, self.tokenizer, self.corpus, self.ends, self.start = stage, tokenizer, corpus, ends, start
+        self.lengths = parse_lengths(stage.lengths)
 
     def step_plan(self, step: int) -> tuple[int, int, int]:
         """(row length, rows, LM rows) of ``step``."""
@@ -101,7 +134,7 @@ class Batches(torch.utils.data.IterableDataset):
 
         info = torch.utils.data.get_worker_info()
         wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        tok = Tokenizer.from_file(str(self.args.tokenizer / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(self.tokenizer / "tokenizer.json"))
         kinds = parse_weights(self.args.kinds) if self.args.kinds else None
         gen = TaskGenerator(
             tok, self.corpus, BOS, EOS, self.args.seed, kinds, self.ends, self.args.max_keys, self.args.max_questions
@@ -128,6 +161,22 @@ def step_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, lm_
     return sum(parts) / len(parts)
 
 
+def custom_stage(args: argparse.Namespace) -> Stage:
+    return Stage("custom", args.lengths, args.kinds, args.lm_share, args.lr, args.warmup, args.tokens_per_step,
+                 args.seed, max_keys=args.max_keys, max_questions=args.max_questions)  # fmt: skip
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
+
+
+def new_stage_state(stage_index: int, totals: dict) -> dict:
+    return {"stage": stage_index, "step": 0, "total_steps": 0, **totals}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=Path, required=True)
@@ -135,9 +184,10 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True, help="folder with tokenizer.json (models/sala-tiny)")
     ap.add_argument("--out", type=Path, required=True, help="checkpoint folder written at the end of the call")
     ap.add_argument("--state", type=Path, default=Path("/tmp/sala-small-state.pt"))
+    ap.add_argument("--recipe", action="store_true", help="the shipped model's stages (RECIPE) instead of one stage")
     ap.add_argument("--resume-from", type=Path, help="checkpoint to continue from where --state is missing")
     ap.add_argument("--init-from", type=Path, help="checkpoint whose weights start a new schedule (a curriculum stage)")
-    ap.add_argument("--lengths", default="1024:1,2048:2,4096:3,8192:2,16384:2")
+    ap.add_argument("--lengths", default=LONG_LENGTHS)
     ap.add_argument("--kinds", default="", help='task weights, e.g. "kv:3,chain:1" (default: the generator\'s)')
     ap.add_argument("--max-keys", type=int, default=16, help="keyed statements per kv instance at most")
     ap.add_argument("--max-questions", type=int, default=4, help="questions per kv instance at most")
@@ -145,7 +195,7 @@ def main() -> None:
     ap.add_argument("--lm-share", type=float, default=0.25)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=150)
-    ap.add_argument("--train-minutes", type=float, default=18.0, help="training time of the whole schedule")
+    ap.add_argument("--train-minutes", type=float, default=18.0, help="training time of a stage with no schedule")
     ap.add_argument("--minutes", type=float, default=7.0, help="wall time of this call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=8)
@@ -154,7 +204,8 @@ def main() -> None:
     call_start = time.time()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(args.seed)
+    stages = RECIPE if args.recipe else (custom_stage(args),)
+    torch.manual_seed(stages[0].seed)
 
     from tokenizers import Tokenizer
 
@@ -166,25 +217,19 @@ def main() -> None:
     ends = sentence_ends(tok, 4096)
 
     model = build_model().to(dev)
-    init_weights(model, std=0.02, generator=torch.Generator(device=dev).manual_seed(args.seed))
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        fused=True,
-    )
-    st: dict = {"step": 0, "tokens": 0, "lm_tokens": 0, "seconds": 0.0, "total_steps": 0, "log": []}
+    init_weights(model, std=0.02, generator=torch.Generator(device=dev).manual_seed(stages[0].seed))
+    opt = make_optimizer(model, stages[0].lr)
+    st: dict = {**new_stage_state(0, {"tokens": 0, "lm_tokens": 0, "seconds": 0.0}), "log": []}
     if args.state.exists():
         saved = torch.load(args.state, map_location=dev, weights_only=False)
         model.load_state_dict(saved.pop("model"))
         opt.load_state_dict(saved.pop("opt"))
         st = saved
-        print(f"resumed at step {st['step']} of {st['total_steps']}")
+        st.setdefault("stage", 0)
+        print(f"resumed at stage {st['stage']}, step {st['step']} of {st['total_steps']}")
     elif args.resume_from is not None:
         summary = json.loads((args.resume_from / "train_summary.json").read_text())
-        st = {k: summary[k] for k in st}
+        st = {k: summary.get(k, v) for k, v in st.items()}
         model.load_state_dict(load_model(args.resume_from, device=dev, dtype=torch.float32).state_dict())
         print(f"resumed from {args.resume_from} (bf16 weights, fresh optimizer) at step {st['step']}")
     elif args.init_from is not None:
@@ -192,17 +237,39 @@ def main() -> None:
         print(f"new schedule from the weights of {args.init_from}")
     use_fast_path(model)
     model.train()
+    budget = args.minutes * 60 - 75  # leave time for validation, saving and the checkpoint
+    while st["stage"] < len(stages) and time.time() - call_start < budget:
+        stage = stages[st["stage"]]
+        train_stage(stage, st, model, opt, args, corpus, ends, dev, call_start + budget)
+        if st["step"] >= (stage.steps or st["total_steps"]):  # the stage is done: the next starts from its weights
+            print(f"stage {stage.name} done at step {st['step']}", flush=True)
+            with torch.no_grad():  # rounded to bf16, as a stage written to disk and read back
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+            st.update(new_stage_state(st["stage"] + 1, {}))
+            if st["stage"] < len(stages):
+                opt = make_optimizer(model, stages[st["stage"]].lr)
+    if st["stage"] >= len(stages):
+        print(f"all {len(stages)} stages done", flush=True)
+    finish(st, model, opt, args, corpus, val, heldout, dev)
 
-    data = Batches(args, corpus, ends, st["step"])
+
+def train_stage(
+    stage: Stage,
+    st: dict,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    corpus: np.ndarray,
+    ends: np.ndarray,
+    dev: torch.device,
+    deadline: float,
+) -> None:
+    """Steps of ``stage`` from ``st["step"]`` until its end or ``deadline``; a stage with no fixed schedule first
+    times a few steps of each length and fixes one from ``--train-minutes``."""
+    data = Batches(stage, args.tokenizer, corpus, ends, st["step"])
     loader = iter(
-        torch.utils.data.DataLoader(
-            data,
-            batch_size=None,
-            num_workers=args.workers,
-            pin_memory=True,
-            prefetch_factor=4,
-            persistent_workers=False,
-        )
+        torch.utils.data.DataLoader(data, batch_size=None, num_workers=args.workers, pin_memory=True, prefetch_factor=4)
     )
 
     def train_step(lr: float) -> torch.Tensor:
@@ -220,15 +287,15 @@ def main() -> None:
         st["lm_tokens"] += lm_rows * ids.shape[1]
         return loss.detach()
 
-    if (
-        st["total_steps"] == 0
-    ):  # time the first steps (each length twice: the first call tunes kernels) and fix the schedule
+    if st["total_steps"] == 0 and stage.schedule:
+        st["total_steps"] = stage.schedule
+    if st["total_steps"] == 0:  # time the first steps (each length twice: the first call tunes kernels)
         seen: dict[int, list[float]] = {}
-        while min(len(seen.get(n, [])) for n in data.lengths) < 2 and st["step"] < args.warmup:
+        while min(len(seen.get(n, [])) for n in data.lengths) < 2 and st["step"] < stage.warmup:
             n = data.step_plan(st["step"])[0]
             torch.cuda.synchronize()
             t0 = time.time()
-            train_step(lr_at(st["step"], 10**6, args.lr, args.warmup))
+            train_step(lr_at(st["step"], 10**6, stage.lr, stage.warmup))
             st["step"] += 1
             torch.cuda.synchronize()
             seen.setdefault(n, []).append(time.time() - t0)
@@ -239,17 +306,17 @@ def main() -> None:
         st["step_seconds"] = per
         print(f"seconds per step by length {per}; schedule of {st['total_steps']} steps", flush=True)
 
-    budget = args.minutes * 60 - 75  # leave time for validation, saving and the checkpoint
+    stop = stage.steps or st["total_steps"]
     torch.cuda.synchronize()
     t_last = time.time()
-    while st["step"] < st["total_steps"] and time.time() - call_start < budget:
-        loss = train_step(lr_at(st["step"], st["total_steps"], args.lr, args.warmup))
+    while st["step"] < stop and time.time() < deadline:
+        loss = train_step(lr_at(st["step"], st["total_steps"], stage.lr, stage.warmup))
         st["step"] += 1
         if st["step"] % 50 == 0:
             torch.cuda.synchronize()
-            now = time.time()
-            st["seconds"] += now - t_last
+            st["seconds"] += time.time() - t_last
             entry = {
+                "stage": stage.name,
                 "step": st["step"],
                 "loss": round(float(loss), 4),
                 "tokens": st["tokens"],
@@ -264,13 +331,27 @@ def main() -> None:
             print(entry, flush=True)
     torch.cuda.synchronize()
     st["seconds"] += time.time() - t_last
+
+
+def finish(
+    st: dict,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    corpus: np.ndarray,
+    val: torch.Tensor,
+    heldout: torch.Tensor,
+    dev: torch.device,
+) -> None:
+    """Validation and held-out figures, the resumable state and the bf16 checkpoint with its summary."""
     model.eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         v = perplexity(lambda x: model(x, attention_mode="dense").logits, val, 1024, 32, 8, dev)
         h = perplexity(lambda x: model(x, attention_mode="dense").logits, heldout, 1024, 16, 8, dev)
     st["log"].append(
-        {"step": st["step"], "val_nll": round(v.mean_nll, 4), "heldout_ppl_16x1024": round(h.perplexity, 3)}
-    )
+        {"stage": st["stage"], "step": st["step"], "val_nll": round(v.mean_nll, 4),
+         "heldout_ppl_16x1024": round(h.perplexity, 3)}
+    )  # fmt: skip
     print(st["log"][-1], flush=True)
     args.state.parent.mkdir(parents=True, exist_ok=True)
     torch.save({**st, "model": model.state_dict(), "opt": opt.state_dict()}, args.state)
