@@ -70,3 +70,13 @@ def test_eval_applies_it_to_the_export_only(shipped_rtn_export: Path, tmp_path: 
     assert e5m2["perplexity"]["kl"] != bf16["perplexity"]["kl"]
     with pytest.raises(EvalInputError, match="--kv-cache"):
         run_eval(shipped_rtn_export, MODEL, EvalOptions(**base, kv_cache="fp8"), None, tmp_path / "c", quiet)
+
+
+def test_eval_scores_an_fp8_cache_of_the_bf16_model_alone(tmp_path: Path) -> None:
+    base = {"max_len": 256, "windows": 1, "niah_lengths": [], "gen_tokens": 0, "layer_windows": 0, "device": "cpu",
+            "show_progress": False}  # fmt: skip
+    quiet = Console(quiet=True)
+    res = run_eval(MODEL, MODEL, EvalOptions(**base, kv_cache="fp8_e4m3"), None, tmp_path / "a", quiet)
+    assert res["quantized"]["format"] == "bf16" and res["quantized"]["check"]["status"] == "not run"
+    assert res["perplexity"]["kl"] > 0  # the same weights: only the stored keys and values differ
+    assert res["perplexity"]["ppl_source"] != res["perplexity"]["ppl_quantized"]

@@ -266,10 +266,11 @@ def run_eval(
         more = "; ..." if len(problems) > 4 else ""
         raise EvalInputError(f"{quantized} is not an export of {reference}: " + "; ".join(problems[:4]) + more)
     qfmt, rfmt = checkpoint_format(qreader), checkpoint_format(rreader)
-    if qfmt == "bf16":
+    if qfmt == "bf16" and opts.kv_cache == "bf16":
         raise EvalInputError(
             f"{quantized} is a bf16 checkpoint (config.json has no quantization_config), not an export: pass the "
-            "GPTQ or NVFP4 export first and its bf16 source as --reference"
+            "GPTQ or NVFP4 export first and its bf16 source as --reference (or, to score an FP8 KV cache alone, the "
+            "bf16 checkpoint with --kv-cache fp8_e4m3 or fp8_e5m2)"
         )
     if rfmt != "bf16":
         raise EvalInputError(
@@ -327,7 +328,10 @@ def run_eval(
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {"prepare": t0 - started}
-    check = _format_check(quantized, opts.tp)  # CheckError stops eval here
+    if qfmt == "bf16":  # the KV cache's format alone is scored: there is no export format to check
+        check = {"status": "not run", "detail": f"bf16 weights: only the {opts.kv_cache} KV cache differs"}
+    else:
+        check = _format_check(quantized, opts.tp)  # CheckError stops eval here
     timings["format_check"] = time.perf_counter() - t0
 
     dev = resolve_device(opts.device)
