@@ -16,6 +16,7 @@ from salaquant.eval import niah
 from salaquant.eval.perplexity import encode_stream, perplexity
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
+from salaquant.workflow import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "sala-small"
@@ -35,11 +36,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    import salaquant.model.hf  # noqa: F401
-
-    return AutoTokenizer.from_pretrained(MODEL)
+    return load_tokenizer(MODEL)  # the project's own loader (AutoTokenizer with the model registered)
 
 
 def test_config_is_the_tools_config() -> None:
