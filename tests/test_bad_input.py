@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lock_holder import lock_held
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -183,29 +184,11 @@ def test_a_second_run_on_the_same_work_folder_is_refused_by_the_lock(model: Path
     out = tmp_path / "q"
     work = outputs.work_dir_for(out)
     work.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, os, sys, time\n"
-            f"fd = os.open({str(work / 'lock')!r}, os.O_RDWR | os.O_CREAT)\n"
-            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-            "os.write(fd, str(os.getpid()).encode())\n"
-            "print('locked', flush=True)\n"
-            "time.sleep(60)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with lock_held(work) as holder:
         res = _gptq(model, out)
         assert res.exit_code == 2, res.output
         assert f"another salaquant run (pid {holder.pid}) is using {work}" in _one_error_line(res)
         assert not out.exists()
-    finally:
-        holder.kill()
-        holder.wait()
     fd = os.open(work / "lock", os.O_RDWR)  # the refused run did not take or break the lock file
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(fd)

@@ -13,12 +13,11 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lock_holder import lock_held
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -175,30 +174,12 @@ def test_a_second_run_while_the_first_is_active_is_told_its_pid(model: Path, tmp
     work = outputs.work_dir_for(out)
     work.mkdir()
     (work / "state.json").write_text(json.dumps({"finished": 0, "num_layers": 4}))  # as a first run writes it
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, os, sys, time\n"
-            f"fd = os.open({str(work / 'lock')!r}, os.O_RDWR | os.O_CREAT)\n"
-            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-            "os.write(fd, str(os.getpid()).encode())\n"
-            "print('locked', flush=True)\n"
-            "time.sleep(60)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with lock_held(work) as holder:
         for flags in ((), ("--resume",), ("--overwrite",)):
             res = _gptq(model, out, *flags)
             assert res.exit_code == 2, res.output
             line = _one_error_line(res)
             assert f"another salaquant run (pid {holder.pid}) is using {work}" in line and "rerun" not in line
-    finally:
-        holder.kill()
-        holder.wait()
     assert (work / "state.json").exists()  # the running one's folder was left alone
 
 
