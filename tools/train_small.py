@@ -103,21 +103,21 @@ class Batches(torch.utils.data.IterableDataset):
     DataLoader's round robin yields them in order. Everything is a function of ``(seed, s)``."""
 
     def __init__(self, stage: Stage, tokenizer: Path, corpus: np.ndarray, ends: np.ndarray, start: int) -> None:
-        self.args, self.tokenizer, self.corpus, self.ends, self.start = stage, tokenizer, corpus, ends, start
+        self.stage, self.tokenizer, self.corpus, self.ends, self.start = stage, tokenizer, corpus, ends, start
         self.lengths = parse_lengths(stage.lengths)
 
     def step_plan(self, step: int) -> tuple[int, int, int]:
         """(row length, rows, LM rows) of ``step``."""
-        rng = random.Random(f"plan:{self.args.seed}:{step}")
+        rng = random.Random(f"plan:{self.stage.seed}:{step}")
         n = rng.choices(list(self.lengths), list(self.lengths.values()))[0]
-        rows = max(1, self.args.tokens_per_step // n)
-        lm = rows * self.args.lm_share
+        rows = max(1, self.stage.tokens_per_step // n)
+        lm = rows * self.stage.lm_share
         lm_rows = int(lm) + (rng.random() < lm - int(lm))
         return n, rows, lm_rows
 
     def build(self, gen: TaskGenerator, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         n, rows, lm_rows = self.step_plan(step)
-        rng = np.random.default_rng([self.args.seed, step])
+        rng = np.random.default_rng([self.stage.seed, step])
         ids = np.empty((rows, n), dtype=np.int64)
         mask = np.zeros((rows, n), dtype=bool)
         for r in range(lm_rows):
@@ -135,9 +135,9 @@ class Batches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         wid, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         tok = Tokenizer.from_file(str(self.tokenizer / "tokenizer.json"))
-        kinds = parse_weights(self.args.kinds) if self.args.kinds else None
+        kinds = parse_weights(self.stage.kinds) if self.stage.kinds else None
         gen = TaskGenerator(
-            tok, self.corpus, BOS, EOS, self.args.seed, kinds, self.ends, self.args.max_keys, self.args.max_questions
+            tok, self.corpus, BOS, EOS, self.stage.seed, kinds, self.ends, self.stage.max_keys, self.stage.max_questions
         )
         step = self.start + wid
         while True:
@@ -171,10 +171,6 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
-
-
-def new_stage_state(stage_index: int, totals: dict) -> dict:
-    return {"stage": stage_index, "step": 0, "total_steps": 0, **totals}
 
 
 def main() -> None:
@@ -219,7 +215,7 @@ def main() -> None:
     model = build_model().to(dev)
     init_weights(model, std=0.02, generator=torch.Generator(device=dev).manual_seed(stages[0].seed))
     opt = make_optimizer(model, stages[0].lr)
-    st: dict = {**new_stage_state(0, {"tokens": 0, "lm_tokens": 0, "seconds": 0.0}), "log": []}
+    st: dict = {"stage": 0, "step": 0, "total_steps": 0, "tokens": 0, "lm_tokens": 0, "seconds": 0.0, "log": []}
     if args.state.exists():
         saved = torch.load(args.state, map_location=dev, weights_only=False)
         model.load_state_dict(saved.pop("model"))
@@ -246,7 +242,7 @@ def main() -> None:
             with torch.no_grad():  # rounded to bf16, as a stage written to disk and read back
                 for p in model.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
-            st.update(new_stage_state(st["stage"] + 1, {}))
+            st.update(stage=st["stage"] + 1, step=0, total_steps=0)
             if st["stage"] < len(stages):
                 opt = make_optimizer(model, stages[st["stage"]].lr)
     if st["stage"] >= len(stages):
