@@ -101,3 +101,30 @@ print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_pretrained_model_contract(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """What transformers' quantizers, device_map planning and save_pretrained read: the base model is a
+    PreTrainedModel (its parallelism plans, read through ``supports_tp_plan`` / ``supports_pp_plan``, and every
+    other attribute readable, as optimum reads them all), ``device_map`` loads, and ``save_pretrained`` writes
+    the checkpoint's names back so that a reload computes the same logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32, device_map="cpu")
+    assert isinstance(hf.base_model, PreTrainedModel) and hf.base_model is hf.model
+    assert hf.supports_tp_plan is False and hf.supports_pp_plan is False
+    for module in (hf, hf.model):
+        for attr in dir(module):
+            getattr(module, attr)  # optimum's _replace_by_quant_layers reads every attribute
+    hf.save_pretrained(tmp_path / "saved")
+    names: set[str] = set()
+    for file in (tmp_path / "saved").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    with safe_open(str(tiny_ckpt / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    ids = torch.randint(0, 264, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)

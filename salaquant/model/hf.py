@@ -17,7 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import SalaCache
 from .config import MODEL_TYPE, SalaConfig
 from .layers import RMSNorm
-from .modeling import SalaModel, lm_logits, shifted_nll
+from .modeling import DecoderStack, lm_logits, shifted_nll
 
 
 class MiniCPMSALAConfig(PretrainedConfig):
@@ -40,24 +40,15 @@ class MiniCPMSALAConfig(PretrainedConfig):
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-class MiniCPMSALAForCausalLM(PreTrainedModel, GenerationMixin):
+class MiniCPMSALAPreTrainedModel(PreTrainedModel):
+    """transformers' contract for the SALA classes: config class, base model prefix, no-split modules, weight
+    init. Both classes below derive from it, so the base model (``model``) is a ``PreTrainedModel`` too, which
+    is what transformers' quantizers, ``device_map`` planning and ``save_pretrained`` read from it."""
+
     config_class = MiniCPMSALAConfig
     base_model_prefix = "model"
     _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
     _supports_sdpa = True
-    _is_stateful = True
-
-    def __init__(self, config: MiniCPMSALAConfig) -> None:
-        super().__init__(config)
-        self.sala_config = config.sala
-        self.model = SalaModel(self.sala_config)
-        self.lm_head = torch.nn.Linear(self.sala_config.hidden_size, self.sala_config.vocab_size, bias=False)
-        self.attention_mode = "auto"
-        self.post_init()
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model builds its own SalaCache (KV + compressed K + GLA states)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         std = float(getattr(self.config, "initializer_range", 0.02))
@@ -65,6 +56,38 @@ class MiniCPMSALAForCausalLM(PreTrainedModel, GenerationMixin):
             module.weight.data.normal_(0.0, std)
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
+
+
+class MiniCPMSALAModel(DecoderStack, MiniCPMSALAPreTrainedModel):
+    """The decoder (``model.*``): ``salaquant.model``'s modules and forward (`DecoderStack`) as transformers'
+    base model; returns the final-norm hidden states."""
+
+    def __init__(self, config: MiniCPMSALAConfig) -> None:
+        super().__init__(config)
+        self.build_stack(config.sala)
+        self.post_init()
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.embed_tokens = value
+
+
+class MiniCPMSALAForCausalLM(MiniCPMSALAPreTrainedModel, GenerationMixin):
+    _is_stateful = True
+
+    def __init__(self, config: MiniCPMSALAConfig) -> None:
+        super().__init__(config)
+        self.sala_config = config.sala
+        self.model = MiniCPMSALAModel(config)
+        self.lm_head = torch.nn.Linear(self.sala_config.hidden_size, self.sala_config.vocab_size, bias=False)
+        self.attention_mode = "auto"
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model builds its own SalaCache (KV + compressed K + GLA states)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens

@@ -53,18 +53,25 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_scale
 
 
-class SalaModel(nn.Module):
-    """Embeddings, decoder layers and final norm (``model.*`` in the checkpoint)."""
+class DecoderStack:
+    """What a decoder does with its ``embed_tokens``, ``layers`` and ``norm`` under ``sala_config``: shared by
+    `SalaModel` and the transformers base model (``salaquant.model.hf``), which own the same modules under the
+    same names (``model.*`` in the checkpoint) but different base classes."""
 
-    def __init__(self, config: SalaConfig) -> None:
-        super().__init__()
-        self.config = config
+    sala_config: SalaConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def build_stack(self, config: SalaConfig) -> None:
+        """Create the modules (call once the ``nn.Module`` is initialised)."""
+        self.sala_config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.config.scale_emb
+        return self.embed_tokens(input_ids) * self.sala_config.scale_emb
 
     def forward(
         self,
@@ -83,14 +90,23 @@ class SalaModel(nn.Module):
             inputs_embeds = self.embed(input_ids)
         h = inputs_embeds
         t = h.shape[1]
+        config = self.sala_config
         positions = cache.positions(t, h.device) if cache is not None else torch.arange(t, device=h.device)
-        tables = {kind: rope_at(self.config, kind, positions) for kind in set(self.config.mixer_types)}
+        tables = {kind: rope_at(config, kind, positions) for kind in set(config.mixer_types)}
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             h = layer(h, tables[layer.kind], layer_cache, attention_mode)
         if cache is not None:
             cache.advance(t)
         return self.norm(h)
+
+
+class SalaModel(DecoderStack, nn.Module):
+    """Embeddings, decoder layers and final norm (``model.*`` in the checkpoint), as a plain ``nn.Module``."""
+
+    def __init__(self, config: SalaConfig) -> None:
+        super().__init__()
+        self.build_stack(config)
 
 
 @dataclass
