@@ -8,14 +8,9 @@ installed without its dependencies)::
 
 What it does:
 
-* describes SALA to GPTQModel with a ``BaseQModel`` subclass (``SalaQModel``): decoder layers at
-  ``model.layers``; per layer, in execution order, the attention input group (q/k/v plus the output gate,
-  ``o_gate`` in minicpm4 layers and ``z_proj`` in lightning layers), ``o_proj``, the MLP input group
-  (gate/up) and ``down_proj``. The two layer kinds have different linear names: the tree lists the union
-  and ``layer_modules_strict = False`` makes GPTQModel skip, per layer, the names that layer does not have.
-  The decoder layers are called as ``layer(h, rope, cache, mode)`` with RoPE tables that depend on the
-  layer kind (minicpm4 layers of this model use none), so the definition rebuilds those arguments for each
-  layer when GPTQModel replays its cached inputs;
+* describes SALA to GPTQModel with salaquant's definition (``salaquant.model.gptqmodel_definition.SalaQModel``,
+  the one ``GPTQModel.load`` uses for our exports): the layer tree of both mixer kinds, and the decoder layers'
+  own arguments rebuilt for each layer when GPTQModel replays its cached inputs;
 * quantizes with GPTQModel's GPTQ defaults (bits 4, group 128, symmetric, its default damping and its
   default activation ordering), on the calibration samples salaquant builds
   (``salaquant.calib_data.load_calibration``), one sample per batch (SALA takes no padding);
@@ -43,7 +38,6 @@ from typing import Any
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-ATTENTION_MODE = "dense"  # what salaquant calibrates with (salaquant.engine.EngineOptions.attention_mode)
 
 
 class PeerError(RuntimeError):
@@ -51,62 +45,8 @@ class PeerError(RuntimeError):
 
 
 def build_definition() -> type:
-    """The GPTQModel model definition of MiniCPM-SALA (imported lazily: gptqmodel is slow to import)."""
-    from gptqmodel.models.base import BaseQModel
-
-    from salaquant.model.modeling import layer_rope
-
-    class SalaQModel(BaseQModel):  # type: ignore[misc]
-        # minicpm4 layers own self_attn.o_gate, lightning layers self_attn.z_proj (+ q/k/o norms): names a
-        # layer lacks are skipped instead of raising.
-        layer_modules_strict = False
-        pre_lm_head_norm_module = "model.norm"
-        module_tree: list[Any] = [  # noqa: RUF012  (the class attribute GPTQModel reads)
-            "model",
-            "layers",
-            "#",
-            {
-                "input_layernorm": ("input_layernorm:!",),
-                "self_attn": (
-                    "q_proj:0",
-                    "k_proj:0",
-                    "v_proj:0",
-                    "o_gate:0",
-                    "z_proj:0",
-                    "q_norm:!",
-                    "k_norm:!",
-                    "o_norm:!:1",
-                    "o_proj:1",
-                ),
-                "post_attention_layernorm": ("post_attention_layernorm:!",),
-                "mlp": ("gate_proj:0", "up_proj:0", "down_proj:1"),
-            },
-        ]
-
-        def capture_first_layer_input_kwargs(
-            self,
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            batch_device: torch.device,
-            layer_input_kwargs: dict[str, Any],
-        ) -> dict[str, Any]:
-            # SalaModel calls layer(h, rope, cache, mode) positionally; GPTQModel keeps only args[0], so the
-            # rest is rebuilt per layer in prepare_layer_replay_kwargs.
-            return {}
-
-        def prepare_layer_replay_kwargs(
-            self,
-            layer: torch.nn.Module,
-            layer_input: list[torch.Tensor],
-            additional_inputs: dict[str, Any],
-            target_device: torch.device,
-        ) -> dict[str, Any]:
-            # DecoderLayer.forward takes no attention_mask / position_ids / use_cache: replace GPTQModel's
-            # replay kwargs with the layer's own arguments (RoPE tables of its kind, no cache, dense attention).
-            hidden = layer_input[0]
-            config = self.model.sala_config
-            rope = layer_rope(config, layer.kind, 0, hidden.shape[1], target_device)
-            return {"rope": rope, "cache": None, "mode": ATTENTION_MODE}
+    """salaquant's GPTQModel definition of MiniCPM-SALA (imported lazily: gptqmodel is slow to import)."""
+    from salaquant.model.gptqmodel_definition import SalaQModel
 
     return SalaQModel
 
@@ -240,7 +180,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     qmodel = definition.from_pretrained(str(args.model), quantize_config=qcfg, trust_remote_code=False)
     load_s = time.perf_counter() - t0
     hf_model = qmodel.model
-    hf_model.attention_mode = ATTENTION_MODE
+    hf_model.attention_mode = "dense"  # what salaquant calibrates with (EngineOptions.attention_mode)
     notes.append(f"model loaded by GPTQModel in dtype {next(hf_model.parameters()).dtype}")
 
     state["where"] = "quantize: BaseQModel.quantize (gptqmodel/models/base.py)"
