@@ -66,13 +66,14 @@ def export(shipped_rtn_export: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def identity_export(export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The source's weights under the export's quantization_config with one negative rule for every module: a GPTQ
-    checkpoint in form (the checker passes it, with no quantized linear) that computes exactly what the source does."""
+    """The source's weights under the export's quantization_config with one negative rule for every module (and no
+    module listed to quantize): a GPTQ checkpoint in form (the checker passes it, with no quantized linear) that
+    computes exactly what the source does."""
     out = tmp_path_factory.mktemp("eval") / "identity"
     shutil.copytree(MODEL, out)
     config = json.loads((out / "config.json").read_text())
     qc = json.loads((export / "config.json").read_text())["quantization_config"]
-    config["quantization_config"] = {**qc, "dynamic": {"-:.*": {}}}
+    config["quantization_config"] = {**qc, "dynamic": {"-:.*": {}}, "modules_in_block_to_quantize": []}
     (out / "config.json").write_text(json.dumps(config))
     return out
 

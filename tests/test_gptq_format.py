@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from salaquant.formats.check import CHECKERS, CheckError, check_checkpoint
+from salaquant.formats.gptq_v1.config import modules_in_block
 from salaquant.formats.gptq_v1.dynamic import LinearPlan, build_dynamic, resolve
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1, pack_gptq_v1, unpack_gptq_v1
 from salaquant.model.config import SalaConfig
@@ -294,6 +295,7 @@ def _write_ckpt(
         "checkpoint_format": "gptq",
         "lm_head": False,
         "dynamic": dynamic if dynamic is not None else build_dynamic(plan, 4, 128, 2),
+        "modules_in_block_to_quantize": modules_in_block(plan, 2),
     }
     quant.update(qc or {})
     config = {
@@ -347,6 +349,46 @@ def test_checker_passes_mixed_bits(tmp_path: Path) -> None:
     plan.update({f"model.layers.1.mlp.{k}": LinearPlan(4, 64) for k in MLP})
     report = check_checkpoint(_write_ckpt(tmp_path / "mixed", plan=plan))
     assert len(report.quantized) == 14
+    # optimum builds every quantized linear with the top-level bits: the report says which clients read 8 bits
+    assert len(report.warnings) == 1 and "(8 besides 4)" in report.warnings[0]
+    assert "transformers' GPTQ path" in report.warnings[0] and "GPTQModel.load" in report.warnings[0]
+
+
+def test_modules_in_block_lists_full_names_per_layer() -> None:
+    plan = _default_plan(_linear_shapes(512))
+    listed = modules_in_block(plan, 2)
+    assert listed[0] == [f"model.layers.0.{m}" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj")] + [
+        f"model.layers.0.self_attn.{m}" for m in ("k_proj", "o_proj", "q_proj", "v_proj")
+    ]
+    assert "model.layers.1.self_attn.z_proj" not in listed[1] and len(listed[1]) == 7
+
+
+def test_checker_modules_in_block_against_both_readers(tmp_path: Path) -> None:
+    """optimum quantizes names ending with an entry, vLLM names containing one: each misreading is an error."""
+    plan = _default_plan(_linear_shapes(512))
+    full = modules_in_block(plan, 2)
+    # in-block names select layer 0's o_gate (plain) for both readers
+    short = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o", "mlp.up_proj"]]
+    errors = _error(_write_ckpt(tmp_path / "short", qc={"modules_in_block_to_quantize": short}))
+    assert "model.layers.0.self_attn.o_gate.weight: stored plain" in errors and "vLLM" in errors
+    assert "model.layers.1.mlp.gate_proj.qweight: quantized, but no modules_in_block_to_quantize entry" in errors
+    # a layer left out: its quantized linears would load as plain ones in transformers
+    errors = _error(_write_ckpt(tmp_path / "layer", qc={"modules_in_block_to_quantize": full[:1]}))
+    assert "model.layers.1.mlp.down_proj.qweight: quantized, but no modules_in_block_to_quantize" in errors
+    # an entry naming nothing, and a value of the wrong shape
+    odd = [*full, ["model.layers.5.mlp.up_proj"]]
+    assert "'model.layers.5.mlp.up_proj' names no linear" in _error(
+        _write_ckpt(tmp_path / "odd", qc={"modules_in_block_to_quantize": odd})
+    )
+    assert "expected a list of lists of module names" in _error(
+        _write_ckpt(tmp_path / "shape", qc={"modules_in_block_to_quantize": [[1, 2]]})
+    )
+
+
+def test_checker_warns_without_modules_in_block(tmp_path: Path) -> None:
+    report = check_checkpoint(_write_ckpt(tmp_path / "ck", qc={"modules_in_block_to_quantize": None}))
+    assert len(report.warnings) == 1 and "no modules_in_block_to_quantize" in report.warnings[0]
+    assert "2 plain decoder linears" in report.warnings[0]
 
 
 def test_checker_wrong_dtype(tmp_path: Path) -> None:

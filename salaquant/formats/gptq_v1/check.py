@@ -368,10 +368,8 @@ def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Che
             shown = ", ".join(f"{m} ({'GPTQ' if q else 'plain weight'})" for m, q in sorted(stored.items()))
             errors.append(f"{fused}: fused members must be all quantized or all plain, got {shown}")
 
-    mibq = qc.get("modules_in_block_to_quantize")
-    listed: list[str] | None = None
-    if isinstance(mibq, list):
-        listed = [s for item in mibq for s in (item if isinstance(item, list) else [item]) if isinstance(s, str)]
+    listed = _listed_modules(qc, errors)
+    quantized_bits: dict[str, int] = {}
 
     for module in sorted(linears, key=_natural_key):
         kind = linears[module]
@@ -403,6 +401,7 @@ def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Che
             head = _layer_head_dim(sala, module)
             _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head, errors)
             report.quantized.append(module)
+            quantized_bits[module] = m_bits
         else:
             why = "lm_head=false" if module == "lm_head" and not lm_head_flag else f"dynamic {_rule(rule)}"
             if stored_q:
@@ -417,5 +416,61 @@ def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Che
                 continue
             report.unquantized.append(module)
 
+    if listed is not None:
+        _check_listed(listed, report, errors)
+    elif plain := [m for m in report.unquantized if m != "lm_head"]:
+        report.warnings.append(
+            "quantization_config has no modules_in_block_to_quantize: transformers' GPTQ path (optimum) ignores "
+            f"dynamic and would build quantized layers for the {len(plain)} plain decoder linears"
+        )
+    mixed = sorted({b for b in quantized_bits.values() if b != bits})
+    if mixed:
+        report.warnings.append(
+            f"per-module bits ({', '.join(map(str, mixed))} besides {bits}): SGLang, vLLM and GPTQModel.load read them "
+            f"from dynamic; transformers' GPTQ path (optimum) builds every quantized linear with {bits} bits and "
+            "refuses this export (size mismatch)"
+        )
     fail(errors, str(reader.path))
     return report
+
+
+def _listed_modules(qc: dict[str, Any], errors: list[str]) -> list[str] | None:
+    """``modules_in_block_to_quantize`` flattened (a list of lists of names, or a list of names); None if absent."""
+    value = qc.get("modules_in_block_to_quantize")
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    flat = [s for item in items for s in (item if isinstance(item, list) else [item])]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in flat):
+        errors.append(
+            f"quantization_config.modules_in_block_to_quantize = {value!r}: expected a list of lists of module names"
+        )
+        return None
+    return flat
+
+
+def _check_listed(listed: list[str], report: CheckReport, errors: list[str]) -> None:
+    """``modules_in_block_to_quantize`` against the stored linears, as both of its readers match it: optimum
+    (transformers' GPTQ path) quantizes a linear whose name ends with a listed string, vLLM one whose name
+    contains one. Either reading must give exactly the stored quantized linears."""
+    for module in report.quantized:
+        if module != "lm_head" and not any(module.endswith(s) for s in listed):
+            errors.append(
+                f"{module}.qweight: quantized, but no modules_in_block_to_quantize entry ends its name "
+                "(transformers' GPTQ path would build a plain linear and drop the GPTQ tensors)"
+            )
+    for module in report.unquantized:
+        if module == "lm_head":
+            continue
+        ends = [s for s in listed if module.endswith(s)]
+        inside = [s for s in listed if s in module]
+        if ends or inside:
+            errors.append(
+                f"{module}.weight: stored plain, but modules_in_block_to_quantize entry {(ends or inside)[0]!r} "
+                f"selects it ({'transformers' if ends else 'vLLM'} would build a GPTQ layer); list full names such "
+                "as model.layers.{i}.mlp.up_proj"
+            )
+    known = set(report.quantized) | set(report.unquantized)
+    for entry in listed:
+        if not any(m.endswith(entry) for m in known):
+            errors.append(f"modules_in_block_to_quantize entry {entry!r} names no linear of this checkpoint")
