@@ -215,8 +215,8 @@ def test_saved_choice_round_trips(tmp_path: Path) -> None:
 
 def test_bad_budgets_fail_before_any_work(tmp_path: Path) -> None:
     """A budget below the all-4-bit export or holding the all-bf16 one, or combined with options that set bits,
-    fails before the calibration data is read: no output and no work folder are left."""
-    missing = CALIB
+    fails before the calibration data is read (it does not exist): no output and no work folder are left."""
+    missing = [str(tmp_path / "absent.jsonl")]
     run = RunOptions(device="cpu", show_progress=False)
 
     def gptq(bits: BitsOptions) -> None:
