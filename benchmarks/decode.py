@@ -104,18 +104,20 @@ def before_rate(model: Any, prompt: torch.Tensor, new_tokens: int, device: str) 
     return new_tokens / max(total - first, 1e-9)
 
 
-def decoder_rates(dec: Decoder, prompts: list[torch.Tensor], new_tokens: int) -> dict[str, float]:
+def decoder_rates(dec: Decoder, prompts: list[torch.Tensor], new_tokens: int) -> dict[str, Any]:
     """Capture / warm-up seconds from a first call, then prefill seconds and decode tokens/s (all rows) of a
-    second."""
+    second, with the decode steps it timed and the first row's new tokens (what the rate was measured on)."""
     dec.generate(prompts, new_tokens)
     capture = dec.timings.capture
-    dec.generate(prompts, new_tokens)
+    tokens = dec.generate(prompts, new_tokens)
     t = dec.timings
     return {
         "capture_s": round(capture, 2),
         "prefill_s": round(t.prefill, 3),
         "decode_tokens_per_s": round(len(prompts) * t.steps / max(t.decode, 1e-9), 2),
         "ms_per_step": round(1000 * t.decode / max(t.steps, 1), 3),
+        "steps": t.steps,
+        "tokens": tokens[0].tolist(),
     }
 
 
@@ -197,6 +199,10 @@ def measure(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     if prompt is not None:  # the model's own generate first, so that the two models are never loaded together
         plain = load(path, device=dev, fuse=False)
         row["before_tokens_per_s"] = round(before_rate(plain, prompt, min(args.new_tokens, 32), dev), 2)
+        # the unfused model's own greedy tokens: what the static-cache decoders must reproduce
+        row["before_tokens"] = plain.greedy(prompt[None].to(dev), min(args.new_tokens, 32))[
+            0, prompt.numel() :
+        ].tolist()
         del plain
         gc.collect()
     model = load(path, device=dev)

@@ -12,11 +12,42 @@ from salaquant.kernels import device as dev
 pytestmark = pytest.mark.random_inputs
 
 
-@pytest.mark.parametrize(("pdl", "capable", "on"), [(True, True, True), (False, True, False), (True, False, False)])
-def test_pdl_launch(monkeypatch: pytest.MonkeyPatch, pdl: bool, capable: bool, on: bool) -> None:
-    monkeypatch.setattr(dev, "pdl_capable", lambda device: capable)
-    got = dev.pdl_launch(torch.device("cuda"), pdl)
-    assert got == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+def _pdl_kernels() -> list[str]:
+    """Every Triton kernel of salaquant.kernels that declares the ``PDL`` constexpr."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import salaquant.kernels as kernels
+
+    found = []
+    for info in pkgutil.walk_packages(kernels.__path__, "salaquant.kernels."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.jit.KernelInterface) and "PDL" in getattr(obj, "arg_names", ()):
+                found.append(f"{info.name}.{name}")
+    return found
+
+
+def test_pdl_options_are_what_triton_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a capable GPU the launch options name a field of Triton's own NVIDIA launch options (the flag its
+    launcher hands to cuLaunchKernelEx; a misspelt one would be dropped or refused) plus the ``PDL`` constexpr
+    that salaquant's PDL kernels declare; before compute capability 9, or when not asked, only ``PDL=False``."""
+    from dataclasses import fields
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    monkeypatch.setattr(dev, "INTERPRET", False)
+    for capability, asked, on in ((9, True, True), (10, True, True), (8, True, False), (9, False, False)):
+        monkeypatch.setattr(dev, "cuda_facts", lambda device, c=capability: (132, c))
+        got = dev.pdl_launch(torch.device("cuda"), asked)
+        if on:
+            assert got.pop("PDL") is True and got and set(got) <= {f.name for f in fields(CUDAOptions)}
+            assert all(v is True for v in got.values())
+        else:
+            assert got == {"PDL": False}
+    assert len(_pdl_kernels()) >= 10  # the InfLLM-v2 and 4-bit matrix kernels
 
 
 def test_no_pdl_on_cpu() -> None:

@@ -38,7 +38,8 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
     assert set(parts) == {"load", "probe", "forward", "logits_and_kl"}
     # each figure is rounded to 0.01 s on its own, so the sum may pass the total by half a step per part
     assert 0 < sum(parts.values()) <= b["budget"]["search_seconds"] + 0.005 * (len(parts) + 1)
+    # the budget's search and measurement run inside the budget run, whose wall clock is taken outside them
     searched = b["budget"]["search_seconds"] + b["budget"]["measure_seconds"]
-    assert b["search_and_check_fraction_of_plain_wall"] == round(searched / res["gptq"]["wall_s"], 3)
+    assert 0 < searched <= b["wall_s"] + 0.01
     assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep
     assert not (tmp_path / "scratch" / "export-gptq-budget").exists()
