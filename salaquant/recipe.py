@@ -84,9 +84,6 @@ def _allowed(loc: tuple[Any, ...]) -> str | None:
     return None
 
 
-_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
-
-
 def flag_name(key: str) -> str:
     """The ``gptq`` / ``nvfp4`` flag that sets recipe key ``key`` (``gptq.damp`` -> ``--damp``)."""
     special = {"calibration.sources": "--calib", "smoothing.alpha": "--smooth-alpha", "smoothing.enabled": "--smooth"}

@@ -166,21 +166,5 @@ class GroupStats:
             out["xtx_per_sample"] = self.xtx_per_sample.cpu()
         return out
 
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> GroupStats:
-        kept = [k for k in ("xtx", "xtx_per_sample") if k in t]
-        has_h = bool(kept)
-        dtype = t[kept[0]].dtype if kept else torch.float32
-        s = cls(dim=t["absmax"].numel(), device=device, dtype=dtype, hessian=False)
-        s.hessian = has_h
-        s.absmax = t["absmax"].to(device)
-        s.sumsq = t["sumsq"].to(device)
-        s.counts = t["counts"].to(device=device, dtype=torch.int64)
-        if "xtx" in t:
-            s.xtx = t["xtx"].to(device)
-        if "xtx_per_sample" in t:
-            s.xtx_per_sample = t["xtx_per_sample"].to(device)
-        return s
-
 
 LayerStats = dict[str, GroupStats]

@@ -503,20 +503,6 @@ class CheckpointReader:
             )
         return self.get(name, device=device, dtype=dtype)
 
-    def get_many(
-        self, prefix: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Load every tensor whose name starts with ``prefix`` (e.g. ``"model.layers.3."``).
-
-        Raises `CheckpointError` when no tensor matches.
-        """
-        names = [n for n in self.keys() if n.startswith(prefix)]
-        if not names:
-            raise CheckpointError(f"no tensor in checkpoint {self.path} has a name starting with {prefix!r}")
-        names.sort(key=lambda n: (self._weight_map[n], n))
-        loaded = {n: self.get(n, device=device, dtype=dtype) for n in names}
-        return {n: loaded[n] for n in sorted(loaded)}
-
     def close(self) -> None:
         """Drop the cached ``safe_open`` handles."""
         self._handles.clear()

@@ -128,12 +128,6 @@ class SalaConfig:
             return None
         return int(self.sparse_config["dense_len"])
 
-    def layer_type(self, index: int) -> str:
-        return self.mixer_types[index]
-
-    def layers_of(self, kind: str) -> list[int]:
-        return [i for i, m in enumerate(self.mixer_types) if m == kind]
-
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SalaConfig:

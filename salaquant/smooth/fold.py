@@ -10,8 +10,6 @@ function is unchanged up to rounding. Groups whose input is the gated attention 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -21,13 +19,6 @@ from ..model.layout import InputGroup
 def smoothable(group: InputGroup) -> bool:
     """Whether the group's input has a producer that a per-channel scale folds into (``InputGroup.producer``)."""
     return group.producer is not None
-
-
-@dataclass
-class SmoothResult:
-    group: str
-    scales: torch.Tensor  # [in] fp32
-    alpha: float
 
 
 def smooth_scales(
