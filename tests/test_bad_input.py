@@ -372,7 +372,7 @@ def test_leftovers_of_a_killed_export_are_removed(model: Path, tmp_path: Path) -
 
 
 def test_ctrl_c_says_what_was_kept_and_resume_finishes(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.gptq.command as command
+    import salaquant.driver as command  # the pipeline every method's command runs
 
     out = tmp_path / "q"
     real = command.export_checkpoint
