@@ -63,11 +63,14 @@ from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
 from .safetensors_stream import write_safetensors
+from .settings import defaults
 from .shards import LEAVES, TreeSum, split_leaves
 from .stats import HESSIAN_SUMS, GroupStats, LayerStats
 from .work_folder import ResumeError
 
 log = logging.getLogger("salaquant.engine")
+
+_DEFAULTS = defaults("gptq")  # the engine section is the same for every method
 
 
 GPU_RESUME_EVERY = 4
@@ -84,10 +87,10 @@ class EngineOptions:
     """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory``,
     ``background_writes`` and ``resume_every`` enters the resume fingerprint."""
 
-    device: str = "auto"
-    chunk_tokens: int = 8192
+    device: str = _DEFAULTS.engine.device
+    chunk_tokens: int = _DEFAULTS.engine.chunk_tokens
     attention_mode: str = "dense"
-    propagate: str = "quantized"  # or "float": next layer sees the float layer's outputs
+    propagate: str = _DEFAULTS.engine.propagate  # or "float": next layer sees the float layer's outputs
     hessian: bool = True
     hessian_dtype: str = "fp32"  # or "fp64"
     hessian_sums: tuple[str, ...] = HESSIAN_SUMS  # the Hessian sums kept: a quantizer needs only its weighting's

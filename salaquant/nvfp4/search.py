@@ -20,8 +20,11 @@ from ..formats.modelopt_nvfp4.numerics import (
     scalar_scale,
     weight_blocks,
 )
+from ..settings import defaults
 
 __all__ = ["SearchResult", "search_block_scales", "shrink_factors"]
+
+_DEFAULTS = defaults("nvfp4")
 
 
 @dataclass
@@ -51,8 +54,8 @@ def search_block_scales(
     w: torch.Tensor,
     weight_scale_2: torch.Tensor | float,
     importance: torch.Tensor,
-    iters: int = 80,
-    max_shrink: float = 0.6,
+    iters: int = _DEFAULTS.nvfp4.mse_iters,
+    max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink,
 ) -> SearchResult:
     """Per-block search of the shrink factor minimising ``sum_j (w_j - w_hat_j)^2 * importance_j``.
 
