@@ -33,7 +33,7 @@ from salaquant.calib_data import CalibOptions
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions, BitsRule
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
 

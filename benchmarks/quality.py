@@ -44,7 +44,7 @@ from rich.table import Table
 from salaquant.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
 from salaquant.eval.perplexity import compare_models, windows
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.loading import load_model
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 from salaquant.runtime.load import load

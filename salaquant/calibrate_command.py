@@ -14,7 +14,7 @@ from rich.table import Table
 from .calib_data import CalibOptions
 from .distributed import barrier
 from .engine import CalibrationEngine, EngineOptions
-from .model.checkpoint import replace_folder, staging_folder
+from .io.staging import replace_folder, staging_folder
 from .outputs import work_dir_for
 from .recipe import check_flags
 from .work_folder import guarded_run

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from . import __version__
-from .model.checkpoint import CheckpointError
+from .io.files import CheckpointError
 from .model.config import ConfigError
 from .progress import console as make_console
 from .settings import SMOOTH_BY_DEFAULT, defaults, parse_size
@@ -531,7 +531,7 @@ def generate(
     from .calib_data import CalibrationError
     from .engine import resolve_device
     from .eval.generation import load_prompts
-    from .model.checkpoint import CheckpointReader
+    from .io.reader import CheckpointReader
     from .model.config import ATTENTION_MODES
     from .model.modeling import NonFiniteLogits
     from .model.sampling import Sampling

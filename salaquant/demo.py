@@ -173,7 +173,7 @@ def run_demo(
 ) -> dict[str, Any]:
     """Quantize, score and tabulate; returns what ``demo.json`` holds."""
     from .engine import resolve_device
-    from .model.checkpoint import CheckpointReader
+    from .io.reader import CheckpointReader
     from .runtime.load import checkpoint_format, load, resolve_activations
 
     model, calib = _resolve(model, calib)

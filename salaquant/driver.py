@@ -29,7 +29,7 @@ from .distributed import Ranks, barrier, device_for
 from .engine import CalibrationEngine, EngineOptions, LayerQuantizer, resolve_device
 from .export import export_checkpoint
 from .formats.report import CheckReport
-from .model.checkpoint import CheckpointReader
+from .io.reader import CheckpointReader
 from .model.config import SalaConfig
 from .outputs import work_dir_for
 from .settings import defaults, parse_size

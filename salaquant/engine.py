@@ -40,8 +40,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from . import __version__, host_memory
-from .atomic import atomic_json, atomic_write
-from .background import BackgroundWriter
 from .calib_data import samples_fingerprint
 from .distributed import (
     SINGLE,
@@ -55,14 +53,16 @@ from .distributed import (
     shard_tokens,
 )
 from .host_memory import empty_pinned_cache
+from .io.atomic import atomic_json, atomic_write
+from .io.background import BackgroundWriter
+from .io.reader import CheckpointReader
+from .io.safetensors_stream import write_safetensors
 from .model.cache import LightningLayerCache, SparseLayerCache
-from .model.checkpoint import CheckpointReader
 from .model.config import LIGHTNING, SalaConfig
 from .model.layout import InputGroup, global_parameter_shapes, input_groups
 from .model.loading import load_global, load_layer
 from .model.modeling import DecoderLayer, layer_rope
 from .runtime.load import use_layer_kernels
-from .safetensors_stream import write_safetensors
 from .settings import defaults
 from .shards import LEAVES, TreeSum, split_leaves
 from .stats import HESSIAN_SUMS, GroupStats, LayerStats

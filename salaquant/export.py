@@ -12,7 +12,10 @@ import torch
 
 from .engine import EngineResult
 from .formats.check import CheckError, CheckReport, check_checkpoint
-from .model.checkpoint import SETTINGS_NAME, CheckpointReader, CheckpointWriter, replace_folder
+from .io.files import SETTINGS_NAME
+from .io.reader import CheckpointReader
+from .io.staging import replace_folder
+from .io.writer import CheckpointWriter
 from .model.config import SalaConfig
 from .model.layout import global_parameter_shapes
 from .outputs import ExportRejected, failed_dir_for

@@ -61,7 +61,7 @@ def derived_names(output: Path) -> list[str]:
     """Every name salaquant gives a folder beside ``output``, at its longest: the work folder, the writer's
     staging folder, the backups of replaced folders and the exports that failed a check (the longest: the backup
     of an older ``OUT.check-failed``)."""
-    from .model.checkpoint import backup_name, staging_name
+    from .io.staging import backup_name, staging_name
 
     names = [output.name, work_dir_for(output).name, staging_name(output), backup_name(output)]
     for check in FAILED_CHECKS:

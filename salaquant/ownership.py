@@ -28,7 +28,7 @@ The kinds, each built from its writers' own names:
   logs, layer files, hidden states and budget choice.
 
 Names are compared in lower case, as `CheckpointWriter.copy_aux` compares them, and ``NAME.tmp`` (a file being
-written by `salaquant.atomic`) counts as ``NAME``. Symbolic links are never salaquant's.
+written by `salaquant.io.atomic`) counts as ``NAME``. Symbolic links are never salaquant's.
 """
 
 from __future__ import annotations
@@ -109,14 +109,14 @@ def kinds() -> tuple[Kind, ...]:
     from .demo import FOLDERS, MARKER
     from .eval.report import JSON_NAME, PNG_NAME
     from .export import EXPORT_FILES
-    from .model.checkpoint import CONFIG_NAME, INDEX_NAME, SERVING_FILES, SETTINGS_NAME, SHARD_NAME, SINGLE_FILE_NAME
+    from .io.files import CONFIG_NAME, INDEX_NAME, SERVING_FILES, SETTINGS_NAME, SHARD_NAME, SINGLE_FILE_NAME
 
     shards = re.sub(r"\{[^}]*\}", "*", SHARD_NAME)
     report = (JSON_NAME, PNG_NAME)
     exported = (CONFIG_NAME, SINGLE_FILE_NAME, INDEX_NAME, shards, *SERVING_FILES, *EXPORT_FILES, *report)
     checkpoint = Kind(CHECKPOINT, SETTINGS_NAME, _json_with("method"), _lower(exported))
     # a CheckpointWriter's temporary folder (.NAME.tmp-PID-*) holds shards under a temporary name until they are
-    # complete; a replaced folder waits as .NAME.old-PID-* until the new one is in place (model/checkpoint.py)
+    # complete; a replaced folder waits as .NAME.old-PID-* until the new one is in place (io/staging.py)
     staging = Kind("staging folder", "", _anything, _lower((*exported, "shard-*.safetensors.part")))
     # the engine's files: one .safetensors and one .json per layer, hidden states per leaf of samples (engine.py)
     layers = Kind("layer files", "", _anything, ("*.safetensors", "*.json"))

@@ -251,7 +251,7 @@ def eval_gate(
     dev = resolve_device(device)
     if wins is None:
         wins = gate_windows(source, gate)
-    from .model.checkpoint import CheckpointReader
+    from .io.reader import CheckpointReader
     from .runtime.load import checkpoint_format, load, resolve_activations
 
     with CheckpointReader(quantized) as reader:

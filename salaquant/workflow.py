@@ -9,7 +9,7 @@ from rich.console import Console
 
 from .calib_data import CalibOptions, CalibSet, load_calibration
 from .distributed import Ranks, barrier, from_environment
-from .model.checkpoint import CheckpointError, read_json_object
+from .io.files import CheckpointError, read_json_object
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
 from .model.loading import check_finite, validate_source

@@ -21,7 +21,7 @@ import torch
 import salaquant  # noqa: F401  (registers SALA with transformers and GPTQModel, in any import order)
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.runtime.load import load
 
 TOKENS = 64

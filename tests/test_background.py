@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from salaquant.background import BackgroundWriter
+from salaquant.io.background import BackgroundWriter
 
 
 def test_jobs_run_in_order_on_another_thread() -> None:

@@ -73,7 +73,7 @@ def _edit(model: Path, name: str, edit) -> None:
 
 def _poke(model: Path, name: str, edit) -> None:
     """Replace tensor ``name``'s bytes in place: the file keeps its header, size and layout."""
-    from salaquant.model.checkpoint import CheckpointReader
+    from salaquant.io.reader import CheckpointReader
 
     reader = CheckpointReader(model)
     new = edit(reader.get(name)).contiguous()

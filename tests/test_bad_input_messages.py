@@ -256,7 +256,7 @@ class _FullDisk:
 
 
 def test_disk_full_names_the_file_being_written(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.safetensors_stream as stream
+    import salaquant.io.safetensors_stream as stream
 
     def open_on_a_full_disk(path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)  # noqa: SIM115
@@ -273,7 +273,7 @@ def test_disk_full_names_the_file_being_written(model: Path, tmp_path: Path, mon
 def test_disk_full_while_exporting_names_the_file(tmp_path: Path, monkeypatch) -> None:
     import torch
 
-    from salaquant.model.checkpoint import CheckpointWriter
+    from salaquant.io.writer import CheckpointWriter
 
     real = Path.write_text
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from salaquant import outputs
 from salaquant.cli import app
-from salaquant.model.checkpoint import CheckpointWriter
+from salaquant.io.writer import CheckpointWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "sala-tiny"

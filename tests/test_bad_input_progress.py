@@ -159,7 +159,7 @@ def test_a_slow_budget_probe_still_prints_lines(tiny_ckpt: Path, monkeypatch: py
     from salaquant.budget.size import parse_budget
     from salaquant.gptq.budget import gptq_units
     from salaquant.gptq.plan import BitsOptions, build_plan
-    from salaquant.model.checkpoint import CheckpointReader
+    from salaquant.io.reader import CheckpointReader
     from salaquant.model.config import SalaConfig
 
     clocked = _listen(monkeypatch)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from salaquant.cli import app
-from salaquant.model.checkpoint import CheckpointError, CheckpointReader
+from salaquant.io.files import CheckpointError
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.loading import check_finite, validate_source
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 from salaquant.recipe import load_recipe, shipped_recipes

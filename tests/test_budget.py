@@ -24,7 +24,7 @@ from salaquant.gptq.budget import gptq_probe, gptq_units
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions, PlanError, build_plan
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4

@@ -1,4 +1,4 @@
-"""Tests for salaquant.model.checkpoint."""
+"""Tests for salaquant.io: the checkpoint reader, writer and staging."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from salaquant.model.checkpoint import (
-    SETTINGS_NAME,
-    CheckpointError,
-    CheckpointReader,
-    CheckpointWriter,
-    save_state_dict,
-)
+from salaquant.io.files import SETTINGS_NAME, CheckpointError
+from salaquant.io.reader import CheckpointReader
+from salaquant.io.writer import CheckpointWriter, save_state_dict
 
 CONFIG = {"model_type": "minicpm_sala", "hidden_size": 16, "num_hidden_layers": 2}
 

@@ -16,7 +16,7 @@ from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions, GPTQLayerQuantizer
 from salaquant.gptq.plan import BitsOptions, PlanError, build_plan
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
 

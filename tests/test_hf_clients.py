@@ -24,7 +24,7 @@ from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 
 pytestmark = pytest.mark.skipif(
     find_spec("gptqmodel") is None or find_spec("optimum") is None,

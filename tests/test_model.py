@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 from sala_reference import reference_logits
 
-from salaquant.model.checkpoint import CheckpointError, CheckpointReader, save_state_dict
+from salaquant.io.files import CheckpointError
+from salaquant.io.reader import CheckpointReader
+from salaquant.io.writer import save_state_dict
 from salaquant.model.config import ConfigError, SalaConfig
 from salaquant.model.layers import apply_rope, rope_cos_sin
 from salaquant.model.loading import load_layer, load_model

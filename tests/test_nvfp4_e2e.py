@@ -11,7 +11,7 @@ from rich.console import Console
 
 from salaquant.calib_data import CalibOptions
 from salaquant.formats.check import CheckError, check_checkpoint
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_layer, load_model

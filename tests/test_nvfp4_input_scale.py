@@ -12,7 +12,7 @@ from rich.console import Console
 
 from salaquant.calib_data import CalibOptions
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.input_scale import FACTORS, SEARCH_TOKENS, InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions

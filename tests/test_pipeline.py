@@ -290,7 +290,7 @@ def _rss_file_bytes() -> int:
 def test_checkpoint_pages_do_not_accumulate_in_resident_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shards are memory-mapped; pages a layer read must leave the resident set with the layer, or the whole
     checkpoint ends up resident over a run. Control: with the reader's handles kept open they do accumulate."""
-    from salaquant.model.checkpoint import CheckpointReader
+    from salaquant.io.reader import CheckpointReader
     from salaquant.model.tiny import preset_config, write_random_checkpoint
 
     cfg = preset_config("tiny")

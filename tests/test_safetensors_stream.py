@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from salaquant.safetensors_stream import write_safetensors
+from salaquant.io.safetensors_stream import write_safetensors
 
 
 def test_round_trip_through_safetensors_reader(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from salaquant.model.checkpoint import CheckpointReader
+from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_layer

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from salaquant.io.writer import save_state_dict
 from salaquant.model import attention as attention_module
 from salaquant.model.attention import LightningAttention
-from salaquant.model.checkpoint import save_state_dict
 from salaquant.model.config import DEFAULT_SPARSE_CONFIG, SalaConfig
 from salaquant.model.modeling import SalaForCausalLM
 from salaquant.model.tiny import preset_config

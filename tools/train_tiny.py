@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from salaquant.eval.perplexity import perplexity
-from salaquant.model.checkpoint import save_state_dict
+from salaquant.io.writer import save_state_dict
 from salaquant.model.config import SalaConfig
 from salaquant.model.modeling import SalaForCausalLM, init_weights
 from salaquant.model.tiny import preset_config

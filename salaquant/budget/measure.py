@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..model.checkpoint import CheckpointReader
+from ..io.reader import CheckpointReader
 from ..model.config import SalaConfig
 from ..model.layers import rms_norm
 from ..model.loading import load_global, load_layer

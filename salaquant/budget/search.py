@@ -14,9 +14,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..atomic import atomic_json
 from ..distributed import SINGLE, Ranks, broadcast_object
-from ..model.checkpoint import CheckpointReader
+from ..io.atomic import atomic_json
+from ..io.reader import CheckpointReader
 from ..model.config import SalaConfig
 from ..progress import Phases
 from .measure import Perturb, export_kl, measure_costs, search_windows

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..model.checkpoint import CheckpointReader
+from ..io.reader import CheckpointReader
 from ..model.config import SalaConfig
 from ..model.layout import global_parameter_shapes, layer_linears, layer_norms
 from ..settings import parse_size

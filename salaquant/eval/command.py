@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ..io.reader import CheckpointReader
 from ..kernels.backend import check_backend
-from ..model.checkpoint import CheckpointReader
 from ..model.config import ATTENTION_MODES, SalaConfig
 from ..model.kv_cache_dtype import KV_CACHE_DTYPES, use_kv_cache_dtype
 from ..model.sampling import Sampling

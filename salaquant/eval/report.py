@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..atomic import atomic_write
+from ..io.atomic import atomic_write
 
 JSON_NAME = "eval.json"
 PNG_NAME = "eval.png"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..model.checkpoint import CheckpointReader
+from ..io.reader import CheckpointReader
 from ..model.config import ConfigError, SalaConfig
 from ..model.layout import parameter_shapes
 from ..serving import serving_lines

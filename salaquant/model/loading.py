@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointReader
+from ..io.files import CheckpointError
+from ..io.reader import CheckpointReader
 from .config import SalaConfig
 from .layout import derived_tensor, global_parameter_shapes, layer_parameter_shapes, parameter_shapes
 from .modeling import DecoderLayer, SalaForCausalLM

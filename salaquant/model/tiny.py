@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import SETTINGS_NAME, CheckpointWriter
+from ..io.files import SETTINGS_NAME
+from ..io.writer import CheckpointWriter
 from .config import DEFAULT_SPARSE_CONFIG, SalaConfig
 from .layout import parameter_shapes
 

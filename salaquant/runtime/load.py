@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..io.files import CheckpointError
+from ..io.reader import CheckpointReader
 from ..kernels.backend import check_backend
-from ..model.checkpoint import CheckpointError, CheckpointReader
 from ..model.config import ConfigError, SalaConfig
 from ..model.layers import RMSNorm
 from ..model.layout import parameter_shapes

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...model.checkpoint import CheckpointReader
+from ...io.reader import CheckpointReader
 from ...model.config import SalaConfig
 from ...model.layout import TP_SPLIT, fused_name, head_dim, layer_linears, split_layer_name
 from ...serving import LM_HEAD_REFUSAL

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from ...model.checkpoint import CheckpointError, CheckpointReader
+from ...io.files import CheckpointError
+from ...io.reader import CheckpointReader
 from .dynamic import plan_for
 from .packing import dequantize_gptq_v1
 

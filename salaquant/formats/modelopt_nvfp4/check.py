@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ...model.checkpoint import CheckpointReader, read_json_object
+from ...io.files import read_json_object
+from ...io.reader import CheckpointReader
 from ...model.config import SalaConfig
 from ...model.layout import FUSED_PARAMETERS, layer_linears
 from ..report import CheckReport, fail
