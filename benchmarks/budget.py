@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from salaquant.budget.size import fixed_bytes, linear_weights
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions, BitsRule

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from salaquant.engine import CalibrationEngine, EngineOptions
+from salaquant.calibration.contract import EngineOptions
+from salaquant.calibration.engine import CalibrationEngine
 from salaquant.model.config import LIGHTNING, SalaConfig
 from salaquant.model.layout import input_groups, layer_linears
 from salaquant.model.tiny import preset_config, write_random_checkpoint

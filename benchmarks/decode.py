@@ -38,7 +38,7 @@ from results import shape_parser, write_results
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions

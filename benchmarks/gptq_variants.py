@@ -49,7 +49,7 @@ from quality import CALIB, MODEL, ROOT, _quiet
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.eval.data import SHIPPED_SAMPLE, load_eval_text
 from salaquant.eval.metrics import LogitComparison
 from salaquant.eval.perplexity import windows
@@ -89,9 +89,9 @@ WATCHED = (
     "salaquant/gptq/layer.py",
     "salaquant/formats/gptq_v1/packing.py",
     "salaquant/gptq/command.py",
-    "salaquant/engine.py",
+    "salaquant/calibration/engine.py",
     "salaquant/smooth/fold.py",
-    "salaquant/stats.py",
+    "salaquant/calibration/stats.py",
 )
 
 

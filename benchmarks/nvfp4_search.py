@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from salaquant.calibration.stats import GroupStats
 from salaquant.formats.modelopt_nvfp4.numerics import global_scale, quantize_nvfp4
 from salaquant.model.cache import LightningLayerCache, SparseLayerCache
 from salaquant.model.config import LIGHTNING, SalaConfig
@@ -23,7 +24,6 @@ from salaquant.model.layout import input_groups, layer_linears
 from salaquant.model.modeling import DecoderLayer, init_weights, layer_rope
 from salaquant.model.tiny import preset_config
 from salaquant.nvfp4.search import search_block_scales
-from salaquant.stats import GroupStats
 
 
 def timed(fn) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from tiny_quality import CALIB, MODEL, Variant, run_benchmark
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 

@@ -43,7 +43,7 @@ from quality import CALIB, MODEL, ROOT, _quiet
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calib_data import CalibOptions, load_calibration
+from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
 from salaquant.eval.perplexity import windows
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
@@ -74,9 +74,9 @@ WATCHED = (
     "salaquant/nvfp4/layer.py",
     "salaquant/nvfp4/search.py",
     "salaquant/formats/modelopt_nvfp4/numerics.py",
-    "salaquant/engine.py",
+    "salaquant/calibration/engine.py",
     "salaquant/smooth/fold.py",
-    "salaquant/stats.py",
+    "salaquant/calibration/stats.py",
     "salaquant/runtime/linear.py",
 )
 

@@ -41,9 +41,9 @@ import torch
 from calibration import work_flops
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
+from salaquant.calibration.host_memory import process_memory
 from salaquant.demo import checkpoint_bytes
-from salaquant.host_memory import process_memory
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import parameter_shapes
 from salaquant.model.tiny import preset_config, write_random_checkpoint
@@ -111,7 +111,7 @@ class RssTimeline(logging.Handler):
             self._sample()
 
     def __enter__(self) -> RssTimeline:
-        logging.getLogger("salaquant.engine").addHandler(self)
+        logging.getLogger("salaquant.calibration.engine").addHandler(self)
         self._thread.start()
         return self
 
@@ -119,7 +119,7 @@ class RssTimeline(logging.Handler):
         self._stop.set()
         self._thread.join()
         self._sample()  # the end of the run belongs to its last phase
-        logging.getLogger("salaquant.engine").removeHandler(self)
+        logging.getLogger("salaquant.calibration.engine").removeHandler(self)
 
     def summary(self) -> dict[str, float]:
         layers = [v for k, v in self.peaks.items() if k.startswith("layer ")]

@@ -1,7 +1,7 @@
 """Quality of salaquant's quantizers against the tools users would otherwise pick, on the shipped tiny model.
 
 Same model (``models/sala-tiny``), same calibration token sequences (the shipped set through
-``salaquant.calib_data``), same held-out windows (the shipped sample, dense attention, CPU), one table:
+``salaquant.calibration.calib_data``), same held-out windows (the shipped sample, dense attention, CPU), one table:
 perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreement for
 
 * RTN W4 g128 symmetric (the baseline), salaquant GPTQ W4A16 with and without SmoothQuant (and with MSE scales);
@@ -41,7 +41,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calib_data import CalibOptions, load_calibration
+from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
 from salaquant.eval.perplexity import compare_models, windows
 from salaquant.io.reader import CheckpointReader

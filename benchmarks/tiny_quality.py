@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.eval.perplexity import compare_models as compare
 from salaquant.eval.perplexity import encode_stream, windows
 from salaquant.model.loading import load_model

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .calib_data import CalibOptions
+from .calibration.calib_data import CalibOptions
 from .eval.data import load_eval_text
 from .eval.generation import BUILTIN_PROMPTS, check_continuation, greedy
 from .eval.metrics import compare_windows
@@ -172,7 +172,7 @@ def run_demo(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Quantize, score and tabulate; returns what ``demo.json`` holds."""
-    from .engine import resolve_device
+    from .devices import resolve_device
     from .io.reader import CheckpointReader
     from .runtime.load import checkpoint_format, load, resolve_activations
 

@@ -24,9 +24,11 @@ from rich.table import Table
 
 from .budget.search import BudgetPlan, SearchOptions, budget_range, plan_budget, record_budget
 from .budget.size import Budget, Unit, parse_budget
-from .calib_data import CalibOptions
-from .distributed import Ranks, barrier, device_for
-from .engine import CalibrationEngine, EngineOptions, LayerQuantizer, resolve_device
+from .calibration.calib_data import CalibOptions
+from .calibration.contract import EngineOptions, LayerQuantizer
+from .calibration.distributed import Ranks, barrier, device_for
+from .calibration.engine import CalibrationEngine
+from .devices import resolve_device
 from .export import export_checkpoint
 from .formats.report import CheckReport
 from .io.reader import CheckpointReader

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .engine import EngineResult
+from .calibration.contract import EngineResult
 from .formats.check import CheckError, CheckReport, check_checkpoint
 from .io.files import SETTINGS_NAME
 from .io.reader import CheckpointReader

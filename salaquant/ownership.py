@@ -105,7 +105,7 @@ def _anything(_path: Path) -> bool:
 def kinds() -> tuple[Kind, ...]:
     """Every kind of folder salaquant writes (the module doc). The writers' names are imported here, on first use:
     the writers themselves import the modules that call this one."""
-    from .calibrate_command import LAYERS_DIR, LOG_NAME, STATISTICS_NAME
+    from .calibration.command import LAYERS_DIR, LOG_NAME, STATISTICS_NAME
     from .demo import FOLDERS, MARKER
     from .eval.report import JSON_NAME, PNG_NAME
     from .export import EXPORT_FILES

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from .calib_data import CalibOptions
+from .calibration.calib_data import CalibOptions
 from .export import GATE_NAME
 from .outputs import ExportRejected, check_no_overlap, check_output
 from .recipe import RecipeError, key_line
@@ -218,7 +218,7 @@ def _exclude_error(recipe_path: str, key: tuple[str, str, int], exc: Exception) 
 def gate_windows(source: Path, gate: EvalGate) -> list[torch.Tensor]:
     """The token windows the gate scores: ``gate.data`` read and tokenized with the source's tokenizer. A
     `RecipeError` names ``eval.data`` when it cannot be read or holds fewer than ``eval.seq_len`` tokens."""
-    from .calib_data import CalibrationError
+    from .calibration.calib_data import CalibrationError
     from .eval.data import load_eval_text
     from .eval.perplexity import windows
     from .workflow import load_tokenizer
@@ -243,7 +243,7 @@ def eval_gate(
     """Perplexity, KL and top-1 agreement of the export against its source on ``gate.data`` (dense attention;
     ``wins``: its windows, when `gate_windows` has read them already), measured and gated by the code behind
     ``salaquant eval``."""
-    from .engine import resolve_device
+    from .devices import resolve_device
     from .eval.metrics import compare_windows
     from .eval.thresholds import Thresholds
     from .model.loading import load_model

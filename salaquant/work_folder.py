@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .distributed import SINGLE, Ranks, barrier
+from .calibration.distributed import SINGLE, Ranks, barrier
 from .outputs import ExportRejected, OutputError, in_use_message
 
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from .calib_data import CalibOptions, CalibSet, load_calibration
-from .distributed import Ranks, barrier, from_environment
+from .calibration.calib_data import CalibOptions, CalibSet, load_calibration
+from .calibration.distributed import Ranks, barrier, from_environment
 from .io.files import CheckpointError, read_json_object
 from .model.config import SalaConfig
 from .model.layout import input_groups, layer_parameter_shapes
@@ -16,7 +16,8 @@ from .model.loading import check_finite, validate_source
 from .outputs import check_free_space, check_output, folder_bytes, work_dir_for
 
 if TYPE_CHECKING:
-    from .engine import CalibrationEngine, EngineResult
+    from .calibration.contract import EngineResult
+    from .calibration.engine import CalibrationEngine
 
 
 def start_run(
@@ -27,7 +28,7 @@ def start_run(
     from its headers (`validate_source`, about a second) and its weights for NaN/Inf (`check_finite`, a read of
     every weight: docs/calibration.md gives its cost); then, under ``torchrun``, the process group (every process
     has made the same checks before any of them starts the run)."""
-    from .engine import resolve_device
+    from .devices import resolve_device
 
     inputs = [("input checkpoint", model)]
     inputs += [("calibration source", Path(s)) for s in sources if not s.startswith("hf:")]

@@ -41,7 +41,7 @@ def small_nvfp4_export(source: Path, out: Path) -> Path:
     """An NVFP4 export of ``source`` from one 64-token calibration sample, no scale search (quick on a CPU)."""
     from rich.console import Console
 
-    from salaquant.calib_data import CalibOptions
+    from salaquant.calibration.calib_data import CalibOptions
     from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
@@ -61,7 +61,7 @@ def shipped_rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A W4 g128 round-to-nearest GPTQ export of the shipped model (2 calibration samples of 128 tokens)."""
     from rich.console import Console
 
-    from salaquant.calib_data import CalibOptions
+    from salaquant.calibration.calib_data import CalibOptions
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions

@@ -26,9 +26,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from salaquant import outputs
+from salaquant.calibration.contract import EngineOptions, LayerResult
+from salaquant.calibration.engine import CalibrationEngine
 from salaquant.cli import app
-from salaquant.engine import CalibrationEngine, EngineOptions, LayerResult, ResumeError
 from salaquant.model.tiny import preset_config, write_random_checkpoint
+from salaquant.work_folder import ResumeError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "sala-tiny"
@@ -170,7 +172,7 @@ def test_resume_refuses_a_changed_tensor_of_a_finished_layer_only(model: Path, t
 
 
 def test_resume_refuses_another_salaquant_version(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.engine as pipeline
+    import salaquant.calibration.engine as pipeline
 
     work = tmp_path / "w"
     with pytest.raises(KeyboardInterrupt):
@@ -312,7 +314,7 @@ def test_read_only_or_unwritable_parent_is_refused(model: Path, tmp_path: Path, 
 
 
 def test_disk_full_during_calibration(model: Path, tmp_path: Path, monkeypatch) -> None:
-    import salaquant.engine as pipeline
+    import salaquant.calibration.engine as pipeline
 
     real = pipeline.write_safetensors
 

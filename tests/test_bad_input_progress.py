@@ -21,8 +21,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from salaquant import outputs, progress
+from salaquant.calibration.contract import EngineOptions, LayerResult
+from salaquant.calibration.engine import CalibrationEngine
 from salaquant.cli import app
-from salaquant.engine import CalibrationEngine, EngineOptions, LayerResult
 from salaquant.work_folder import RunInterrupted, guarded_run
 
 ROOT = Path(__file__).resolve().parents[1]

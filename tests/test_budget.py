@@ -18,7 +18,7 @@ from salaquant.budget.measure import measure_costs, search_windows
 from salaquant.budget.search import BudgetPlan, SearchOptions, saved_choice
 from salaquant.budget.size import Budget, BudgetError, Unit, parse_budget
 from salaquant.budget.solver import solve
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.gptq.budget import gptq_probe, gptq_units
 from salaquant.gptq.command import RunOptions, run_gptq
@@ -138,7 +138,7 @@ def test_gptq_budget_measured_kl_is_the_export_against_its_source(gptq_budget_ex
     """The report's measured KL is the export's KL to the source on the search windows, computed here by whole-model
     forwards of the two checkpoints (float32, dense attention)."""
     report = json.loads((gptq_budget_export / "quant_report.json").read_text())["budget"]
-    from salaquant.calib_data import load_calibration
+    from salaquant.calibration.calib_data import load_calibration
     from salaquant.workflow import load_tokenizer
 
     samples = [s.ids for s in load_calibration(CALIB, load_tokenizer(MODEL), SMALL).samples]

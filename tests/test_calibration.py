@@ -1,4 +1,4 @@
-"""Tests for salaquant.calib_data, using the shipped sala-tiny tokenizer."""
+"""Tests for salaquant.calibration.calib_data, using the shipped sala-tiny tokenizer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 import salaquant.model.hf  # noqa: F401  (registers the minicpm_sala config for AutoTokenizer)
-from salaquant.calib_data import (
+from salaquant.calibration.calib_data import (
     CalibOptions,
     CalibrationError,
     CalibSample,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.model.cache import SalaCache
 from salaquant.model.modeling import NonFiniteLogits
 from salaquant.model.sampling import Sampling

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from salaquant.distributed import assign
+from salaquant.calibration.distributed import assign
+from salaquant.calibration.shards import TreeSum, owned_leaves, split_leaves
+from salaquant.calibration.stats import GroupStats
 from salaquant.nvfp4.input_scale import InputScaleSearch
-from salaquant.shards import TreeSum, owned_leaves, split_leaves
-from salaquant.stats import GroupStats
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "sala-tiny"
@@ -175,7 +175,7 @@ def test_failed_process_ends_the_run_and_it_resumes_with_another_count(tmp_path:
     (inject / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import salaquant.engine as engine\n"
+        "    import salaquant.calibration.engine as engine\n"
         "    layer = engine.CalibrationEngine._layer\n"
         "    def failing(self, i, *args, **kwargs):\n"
         "        if i == 5:\n"

@@ -13,7 +13,7 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.cli import app
 from salaquant.eval import EvalInputError, EvalOptions, Thresholds, run_eval
 from salaquant.eval.command import parse_lengths

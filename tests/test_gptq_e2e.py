@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.check import check_checkpoint
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions

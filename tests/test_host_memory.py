@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-import salaquant.host_memory as hm
+import salaquant.calibration.host_memory as hm
+from salaquant.calibration.contract import EngineOptions
+from salaquant.calibration.engine import CalibrationEngine
 from salaquant.cli import app
-from salaquant.engine import CalibrationEngine, EngineOptions
 
 GIB = 2**30
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
+from salaquant.calibration.stats import GroupStats
 from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
@@ -19,7 +20,6 @@ from salaquant.model.modeling import layer_rope
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions, NVFP4LayerQuantizer
 from salaquant.nvfp4.plan import NVFP4PlanError, build_nvfp4_plan
-from salaquant.stats import GroupStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "sala-tiny"

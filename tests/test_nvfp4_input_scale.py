@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.io.reader import CheckpointReader
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4

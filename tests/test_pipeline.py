@@ -9,11 +9,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from salaquant.engine import CalibrationEngine, EngineOptions, LayerResult, ResumeError
-from salaquant.host_memory import process_memory
+from salaquant.calibration.contract import EngineOptions, LayerResult
+from salaquant.calibration.engine import CalibrationEngine
+from salaquant.calibration.host_memory import process_memory
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import load_model
+from salaquant.work_folder import ResumeError
 
 
 def _hidden_names(work: Path) -> list[str]:
@@ -210,7 +212,7 @@ def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
     next layer's propagation waits for the writer before writing over the same buffers)."""
     import time
 
-    import salaquant.engine as pipeline
+    import salaquant.calibration.engine as pipeline
 
     samples = _samples([120, 300])
     save = pipeline._atomic_save

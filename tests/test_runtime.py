@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.cli import app
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
 from salaquant.formats.modelopt_nvfp4.numerics import NVFP4Weight

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from salaquant.stats import GroupStats
+from salaquant.calibration.stats import GroupStats
 
 
 def _reference(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -51,7 +51,7 @@ def test_gpu_bf16_hessian_on_tensor_cores_is_exact_to_fp32_rounding(
     half_product: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both tensor-core paths: bf16 operands with a float32 result, and the TF32 product of the float32 copy."""
-    from salaquant import stats
+    from salaquant.calibration import stats
 
     monkeypatch.setattr(stats, "_HALF_MM_FP32_OUT", [half_product])
     gen = torch.Generator().manual_seed(1)

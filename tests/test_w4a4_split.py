@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from salaquant.calib_data import CalibOptions
+from salaquant.calibration.calib_data import CalibOptions
 from salaquant.eval.command import EvalOptions, run_eval
 from salaquant.eval.w4a4_split import ActivationsOnlyLinear, activations_only, smoothing_scales
 from salaquant.model.layout import GROUP_NAMES, input_groups

@@ -13,7 +13,7 @@ What it does:
   own arguments rebuilt for each layer when GPTQModel replays its cached inputs;
 * quantizes with GPTQModel's GPTQ defaults (bits 4, group 128, symmetric, its default damping and its
   default activation ordering), on the calibration samples salaquant builds
-  (``salaquant.calib_data.load_calibration``), one sample per batch (SALA takes no padding);
+  (``salaquant.calibration.calib_data.load_calibration``), one sample per batch (SALA takes no padding);
 * writes OUT/model.safetensors with every tensor of the source checkpoint under the same name, each
   quantized linear replaced by the weight the packed GPTQ tensors decode to (bf16), plus config.json and
   the tokenizer files copied from the source, and OUT/peer.json (settings, time, checks). On failure
@@ -151,13 +151,13 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     import salaquant.model.hf  # noqa: F401  (registers model_type minicpm_sala with transformers)
-    from salaquant.calib_data import CalibOptions, load_calibration
+    from salaquant.calibration.calib_data import CalibOptions, load_calibration
     from salaquant.workflow import load_tokenizer
 
     version = importlib.metadata.version("gptqmodel")
     state["version"] = version
 
-    state["where"] = "calibration: salaquant.calib_data.load_calibration"
+    state["where"] = "calibration: salaquant.calibration.calib_data.load_calibration"
     tok = load_tokenizer(args.model)
     calib = load_calibration([str(args.calib)], tok, CalibOptions(max_samples=args.max_samples, max_len=args.max_len))
     samples = [{"input_ids": s.ids.tolist(), "attention_mask": [1] * len(s)} for s in calib]

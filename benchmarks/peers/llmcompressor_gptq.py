@@ -6,7 +6,7 @@ Runs inside the virtual environment made by ``benchmarks/peers/setup_llmcompress
         --calib calib/sala-tiny-calib.jsonl --max-samples 32 --max-len 2048 --out OUT [--smoothquant]
 
 The model is loaded with ``AutoModelForCausalLM`` (after ``import salaquant.model.hf``), the calibration
-samples are the token sequences ``salaquant.calib_data.load_calibration`` gives (so both tools see the
+samples are the token sequences ``salaquant.calibration.calib_data.load_calibration`` gives (so both tools see the
 same tokens), and ``oneshot`` runs ``GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])``,
 preceded with ``--smoothquant`` by a ``SmoothQuantModifier`` (default strength) with explicit SALA
 mappings. OUT then holds a plain bf16 checkpoint that salaquant reads: ``config.json`` and the tokenizer
@@ -135,7 +135,7 @@ def calibration_dataset(model_path: Path, calib: str, max_samples: int, max_len:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from salaquant.calib_data import CalibOptions, load_calibration
+    from salaquant.calibration.calib_data import CalibOptions, load_calibration
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = load_calibration([calib], tokenizer, CalibOptions(max_samples=max_samples, max_len=max_len))
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"model.attention_mode = {args.attention_mode!r} during calibration (salaquant's calibration mode)"
             )
 
-        with step("calibration data (salaquant.calib_data.load_calibration)"):
+        with step("calibration data (salaquant.calibration.calib_data.load_calibration)"):
             tokenizer, dataset, calib_info = calibration_dataset(args.model, args.calib, args.max_samples, args.max_len)
 
         recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + ["GPTQModifier"]

@@ -86,9 +86,9 @@ for name in ("gptqmodel", "transformers", "accelerate", "safetensors", "datasets
     except md.PackageNotFoundError:
         print(f"{name} not installed")
 import gptqmodel  # noqa: E402,F401  (fails loudly here if the install is unusable)
-import salaquant.calib_data  # noqa: E402,F401
+import salaquant.calibration.calib_data  # noqa: E402,F401
 import salaquant.model.hf  # noqa: E402,F401
 import salaquant.model.loading  # noqa: E402,F401
 
-print("imports ok: gptqmodel, salaquant.model.hf, salaquant.model.loading, salaquant.calib_data")
+print("imports ok: gptqmodel, salaquant.model.hf, salaquant.model.loading, salaquant.calibration.calib_data")
 EOF

@@ -43,7 +43,7 @@ fi
 "${PIP[@]}" -c "$CONSTRAINTS" "llmcompressor==$LLMCOMPRESSOR_VERSION" "transformers==$TRANSFORMERS_VERSION"
 
 # 3. salaquant without its dependency list, plus what salaquant.model.{hf,loading} and
-#    salaquant.calib_data import (torch and transformers are already there; no nvidia-modelopt).
+#    salaquant.calibration.calib_data import (torch and transformers are already there; no nvidia-modelopt).
 "${PIP[@]}" -c "$CONSTRAINTS" "safetensors>=0.4" "tokenizers>=0.20" "numpy>=1.26" "pyyaml>=6.0" "rich>=13.0"
 "${PIP[@]}" --no-deps -e "$REPO"
 
@@ -52,7 +52,7 @@ import importlib.metadata as md
 
 import torch
 
-import salaquant.calib_data  # noqa: F401
+import salaquant.calibration.calib_data  # noqa: F401
 import salaquant.model.hf  # noqa: F401
 import salaquant.model.loading  # noqa: F401
 

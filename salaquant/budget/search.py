@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..distributed import SINGLE, Ranks, broadcast_object
+from ..calibration.distributed import SINGLE, Ranks, broadcast_object
 from ..io.atomic import atomic_json
 from ..io.reader import CheckpointReader
 from ..model.config import SalaConfig

@@ -30,7 +30,7 @@ def tiny(
     """Write a random-init SALA checkpoint with the real structure and a byte-level tokenizer."""
     import math
 
-    from ..engine import resolve_device
+    from ..devices import resolve_device
     from ..model.tiny import preset_config, write_random_checkpoint
     from ..outputs import check_replace
 

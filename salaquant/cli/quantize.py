@@ -57,8 +57,8 @@ def calibrate(
     overwrite: Overwrite = False,
 ) -> None:
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
-    from ..calib_data import CalibOptions
-    from ..calibrate_command import run_calibrate
+    from ..calibration.calib_data import CalibOptions
+    from ..calibration.command import run_calibrate
     from ..work_folder import RunInterrupted
 
     try:

@@ -53,8 +53,8 @@ def generate(
 
     import torch
 
-    from ..calib_data import CalibrationError
-    from ..engine import resolve_device
+    from ..calibration.calib_data import CalibrationError
+    from ..devices import resolve_device
     from ..eval.generation import load_prompts
     from ..io.reader import CheckpointReader
     from ..model.config import ATTENTION_MODES
@@ -195,7 +195,7 @@ def eval_command(
 
     Exit status: 0 all thresholds met, 1 format check failed, 2 bad input, 3 a threshold missed.
     """
-    from ..calib_data import CalibrationError
+    from ..calibration.calib_data import CalibrationError
     from ..eval import EvalInputError, EvalOptions, Thresholds, run_eval
     from ..eval.command import parse_depths, parse_lengths
     from ..eval.tasks import TASKS, parse_tasks
@@ -273,7 +273,7 @@ def demo(
     ] = False,
 ) -> None:
     """Quantize the shipped tiny model with GPTQ W4A16 and NVFP4 (default, dense-all) and score each against bf16."""
-    from ..calib_data import CalibrationError
+    from ..calibration.calib_data import CalibrationError
     from ..demo import DemoError, run_demo
 
     try:

@@ -249,7 +249,7 @@ def run_eval(
     ``CalibrationError`` on bad input and ``CheckError`` when the format check fails."""
     started = time.perf_counter()  # timings_s["prepare"]: imports, configs, tokenizer, text and prompts
     from .. import __version__
-    from ..engine import resolve_device
+    from ..devices import resolve_device
     from ..runtime.load import checkpoint_format, load, resolve_activations
     from ..workflow import load_tokenizer
 

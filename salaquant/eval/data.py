@@ -2,7 +2,7 @@
 
 That is the layout the shipped model was trained and scored on (``salaquant.eval.perplexity.encode_stream``), so
 eval's source perplexity on the shipped model's held-out text equals the figure in the README. Sources are
-read by ``salaquant.calib_data.load_calibration``: JSON Lines, text files, folders, parquet and
+read by ``salaquant.calibration.calib_data.load_calibration``: JSON Lines, text files, folders, parquet and
 ``hf:NAME[:CONFIG][@SPLIT][#FIELD]`` datasets. Without a source, the shipped sample is used: the first nine
 documents (40,522 tokens) of the held-out split of ``models/sala-tiny``, public-domain English prose never
 used for training or calibration (sources and licences in ``calib/LICENSE-DATA.md``).
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..calib_data import CalibOptions, load_calibration
+from ..calibration.calib_data import CalibOptions, load_calibration
 
 SHIPPED_SAMPLE = Path(__file__).with_name("heldout_sample.jsonl")
 

@@ -184,7 +184,7 @@ def check_continuation(g: Greedy, unk_id: int | None) -> dict[str, Any]:
 def load_prompts(path: Path, tokenizer: Any) -> list[str]:
     """Prompts from a file: JSON Lines (``prompt``, else the text fields calibration reads) or plain text, one
     prompt per non-empty line. Raises ``CalibrationError`` naming the file and line."""
-    from ..calib_data import CalibrationError, record_text
+    from ..calibration.calib_data import CalibrationError, record_text
 
     if not path.is_file():
         raise CalibrationError(f"--prompts {path}: no such file")

@@ -29,7 +29,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from ..engine import resolve_device
+from ..devices import resolve_device
 from ..io.reader import CheckpointReader
 from ..model.kv_cache_dtype import use_kv_cache_dtype
 from ..model.modeling import lm_logits

@@ -13,8 +13,8 @@ from rich.table import Table
 
 from ..budget.search import SearchOptions
 from ..budget.size import Unit
-from ..calib_data import CalibOptions
-from ..distributed import Ranks
+from ..calibration.calib_data import CalibOptions
+from ..calibration.distributed import Ranks
 from ..driver import Execution, run_method
 from ..export import check_export
 from ..formats.gptq_v1.config import quantization_config

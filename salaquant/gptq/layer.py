@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, Ranks, spread
-from ..engine import LayerResult
+from ..calibration.contract import LayerResult
+from ..calibration.distributed import SINGLE, Ranks, spread
+from ..calibration.stats import GroupStats, LayerStats
 from ..formats.gptq_v1.dynamic import LinearPlan
 from ..formats.gptq_v1.packing import pack_gptq_v1
 from ..model.config import SalaConfig
@@ -28,7 +29,6 @@ from ..model.modeling import DecoderLayer
 from ..serving import PLAIN_DTYPE
 from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
-from ..stats import GroupStats, LayerStats
 from .solver import GPTQConfig, GPTQResult, error_ratio, gptq, row_weighted_errors, rtn
 
 _DEFAULTS = defaults("gptq")
@@ -66,7 +66,7 @@ class GPTQLayerOptions:
 
 
 class GPTQLayerQuantizer:
-    """``quantize_layer`` for the calibration engine (see ``salaquant.engine.LayerQuantizer``)."""
+    """``quantize_layer`` for the calibration engine (see ``salaquant.calibration.engine.LayerQuantizer``)."""
 
     def __init__(
         self, config: SalaConfig, plan: dict[str, LinearPlan], options: GPTQLayerOptions, ranks: Ranks = SINGLE

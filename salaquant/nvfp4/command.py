@@ -13,8 +13,8 @@ from rich.table import Table
 
 from ..budget.search import SearchOptions
 from ..budget.size import Unit, parse_budget
-from ..calib_data import CalibOptions
-from ..distributed import Ranks
+from ..calibration.calib_data import CalibOptions
+from ..calibration.distributed import Ranks
 from ..driver import Execution, run_method
 from ..export import check_export
 from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config

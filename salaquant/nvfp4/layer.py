@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, Ranks, spread
-from ..engine import LayerResult
+from ..calibration.contract import LayerResult
+from ..calibration.distributed import SINGLE, Ranks, spread
+from ..calibration.stats import LayerStats
 from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantize_nvfp4
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
@@ -29,7 +30,6 @@ from ..model.modeling import DecoderLayer
 from ..serving import PLAIN_DTYPE
 from ..settings import defaults, smoothing_for
 from ..smooth.fold import fold_scales, smooth_scales, smoothable
-from ..stats import LayerStats
 from .input_scale import INPUT_SCALE_RULES, InputScaleSearch, search_stride
 from .plan import NVFP4Plan
 from .search import search_block_scales

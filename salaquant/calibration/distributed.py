@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node N -m salaquant gptq ...`` starts N processes with ``WORLD_SIZE`` / ``RANK`` /
 ``LOCAL_RANK`` set; `from_environment` joins them into one process group (NCCL when the run's device is CUDA,
 each process on GPU ``LOCAL_RANK``; gloo on CPUs). Each process holds its own samples' hidden states (the leaves of
-`salaquant.shards` it owns), accumulates their statistics, and `combine` adds the processes' partial sums in the
+`.shards` it owns), accumulates their statistics, and `combine` adds the processes' partial sums in the
 fixed tree on rank 0, which sends the total to every process; each then quantizes the layer from the same
 statistics (the same bits everywhere) and propagates its own samples. Rank 0 alone writes the work folder's
 layer files, the resume state and the export; each process writes its own leaves' hidden states. When a process

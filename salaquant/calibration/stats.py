@@ -4,7 +4,7 @@ For the input X [n, d] of a group (every token of every sample), the accumulator
 by default, on TF32 tensor cores when the inputs are 16-bit floats; fp64 optional), ``sum_s X_s^T X_s / n_s``
 (the per-sample-normalised variant), the per-channel absolute maximum, ``sum x^2`` per channel and the token
 and sample counts. `merge` adds another accumulator's sums (another leaf of samples, another process's share:
-``salaquant.shards`` fixes the order) and `tensors` lists every sum as one tensor on the accumulator's device,
+``.shards`` fixes the order) and `tensors` lists every sum as one tensor on the accumulator's device,
 for the processes of a data-parallel run to exchange.
 """
 

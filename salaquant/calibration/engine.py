@@ -9,8 +9,8 @@ recorded in a work folder with a fingerprint of model, data and settings, and th
 saved at each resume point (every layer on a CPU, every ``GPU_RESUME_EVERY``-th on a GPU, and the last), so an
 interrupted run resumes after the last resume point and produces the same bytes as an uninterrupted one.
 
-With several processes (``torchrun``, ``salaquant.distributed``) each holds the samples of its leaves of the
-statistics tree (``salaquant.shards``), the processes' statistics are added in that fixed tree before each layer
+With several processes (``torchrun``, ``salaquant.calibration.distributed``) each holds the samples of its leaves of the
+statistics tree (``.shards``), the processes' statistics are added in that fixed tree before each layer
 is quantized, and every process quantizes the layer from the same sums: the exported bytes do not depend on the
 number of processes. Rank 0 writes the layer files and the resume state; the hidden states are saved per leaf
 (``hidden/leafN.safetensors``, by the process owning it), so a run resumes with any number of processes.
@@ -31,16 +31,29 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from . import __version__, host_memory
+from .. import __version__
+from ..devices import resolve_device
+from ..io.atomic import atomic_json, atomic_write
+from ..io.background import BackgroundWriter
+from ..io.reader import CheckpointReader
+from ..io.safetensors_stream import write_safetensors
+from ..model.cache import LightningLayerCache, SparseLayerCache
+from ..model.config import LIGHTNING, SalaConfig
+from ..model.layout import InputGroup, global_parameter_shapes, input_groups
+from ..model.loading import load_global, load_layer
+from ..model.modeling import DecoderLayer, layer_rope
+from ..runtime.load import use_layer_kernels
+from ..work_folder import ResumeError
+from . import host_memory
 from .calib_data import samples_fingerprint
+from .contract import EngineOptions, EngineResult, LayerQuantizer, LayerResult, Observer
 from .distributed import (
     SINGLE,
     Ranks,
@@ -52,25 +65,12 @@ from .distributed import (
     same_everywhere,
     shard_tokens,
 )
+from .fingerprint import differences, model_fingerprint
 from .host_memory import empty_pinned_cache
-from .io.atomic import atomic_json, atomic_write
-from .io.background import BackgroundWriter
-from .io.reader import CheckpointReader
-from .io.safetensors_stream import write_safetensors
-from .model.cache import LightningLayerCache, SparseLayerCache
-from .model.config import LIGHTNING, SalaConfig
-from .model.layout import InputGroup, global_parameter_shapes, input_groups
-from .model.loading import load_global, load_layer
-from .model.modeling import DecoderLayer, layer_rope
-from .runtime.load import use_layer_kernels
-from .settings import defaults
 from .shards import LEAVES, TreeSum, split_leaves
-from .stats import HESSIAN_SUMS, GroupStats, LayerStats
-from .work_folder import ResumeError
+from .stats import GroupStats, LayerStats
 
-log = logging.getLogger("salaquant.engine")
-
-_DEFAULTS = defaults("gptq")  # the engine section is the same for every method
+log = logging.getLogger("salaquant.calibration.engine")
 
 
 GPU_RESUME_EVERY = 4
@@ -80,148 +80,6 @@ on the H200 machine (about 0.95 GB/s once the page cache is full), while the wor
 layer's propagation must wait for it (load, statistics, solve) is about 2.8 s a layer: one per layer would add
 about 26 s to the 139 s run, against at most 3 layers (about 13 s) computed again after an interruption. On a
 CPU a layer takes far longer than writing its hidden states (the shipped model: seconds a layer for 64 KB)."""
-
-
-@dataclass
-class EngineOptions:
-    """Settings of the calibration engine. Everything here except ``device``, ``show_progress``, ``pin_memory``,
-    ``background_writes`` and ``resume_every`` enters the resume fingerprint."""
-
-    device: str = _DEFAULTS.engine.device
-    chunk_tokens: int = _DEFAULTS.engine.chunk_tokens
-    attention_mode: str = "dense"
-    propagate: str = _DEFAULTS.engine.propagate  # or "float": next layer sees the float layer's outputs
-    hessian: bool = True
-    hessian_dtype: str = "fp32"  # or "fp64"
-    hessian_sums: tuple[str, ...] = HESSIAN_SUMS  # the Hessian sums kept: a quantizer needs only its weighting's
-    tf32: bool = False  # TF32 for fp32 activations too (~1e-3 relative error); 16-bit ones always use it, exactly
-    save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
-    show_progress: bool = True
-    pin_memory: bool = True
-    background_writes: bool = True  # write layer i's files while layer i + 1 computes
-    attention_kernels: bool = True  # GLA through salaquant.kernels (Triton on CUDA, the reference elsewhere)
-    resume_every: int | None = None  # resume point (hidden states) every N layers and at the last; None: by device
-
-    def fingerprint_fields(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key in ("device", "show_progress", "pin_memory", "background_writes", "resume_every"):
-            d.pop(key)
-        return d
-
-
-class Observer(Protocol):
-    """A sum over the inputs of one module (``LayerResult.observe``)."""
-
-    def update(self, x: torch.Tensor) -> None: ...
-    def fresh(self) -> Observer: ...  # an empty one of the same kind
-    def merge(self, other: Any) -> Observer: ...  # adds ``other`` into this one, returns it
-    def tensors(self) -> list[torch.Tensor]: ...  # every sum, in a fixed order
-
-
-@dataclass
-class LayerResult:
-    """What a quantizer returns for one layer."""
-
-    layer: nn.Module | None  # module to propagate through (None: the float layer)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # persisted in the work folder
-    report: dict[str, Any] = field(default_factory=dict)  # json-able
-    # Inputs the quantizer still wants to see: module name in the layer -> an observer of that module's input on
-    # every chunk of the pass through ``layer`` (the propagation pass; with float propagation, one extra pass whose
-    # outputs are dropped). Each leaf of samples is seen by its own ``fresh()`` copy; the leaves' observers are
-    # added in the statistics tree (and across processes), and ``finish`` gets the totals after that pass: it may
-    # complete ``tensors`` and ``report``.
-    observe: dict[str, Observer] = field(default_factory=dict)
-    finish: Callable[[dict[str, Observer]], None] | None = None
-
-
-class LayerQuantizer(Protocol):
-    def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult: ...
-
-
-@dataclass
-class EngineResult:
-    work_dir: Path
-    num_layers: int
-    reports: list[dict[str, Any]]
-    timings: dict[str, float]
-    tokens: int
-    layer_seconds: list[tuple[int, str, float]] = field(default_factory=list)  # layers run in this call
-    rank_tokens: list[int] = field(default_factory=list)  # calibration tokens each process held
-    rank_peaks: list[dict[str, float | None]] = field(default_factory=list)  # each process's peak GPU memory, RSS
-    # torch's CPU threads in this process: CPU sums split by thread, so a CPU run's bytes are those of any run with
-    # as many threads per process, whatever the number of processes
-    cpu_threads: int = 1
-
-    def layer_tensors(self, index: int) -> dict[str, torch.Tensor]:
-        path = self.work_dir / "layers" / f"{index:03d}.safetensors"
-        return load_file(path) if path.exists() else {}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a ``ValueError`` naming the flag
-    otherwise (before any work, not at the first tensor moved)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"--device {device}: CUDA is not available on this machine ({why}); use --device cpu")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
-    elif dev.type != "cpu":
-        raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
-    return dev
-
-
-def model_fingerprint(reader: CheckpointReader) -> str:
-    """Config, tensor names/shapes/dtypes and shard sizes. The weights' content is covered separately: each
-    tensor's digest is recorded as the run reads it (``state.json``) and compared when a run resumes."""
-    h = hashlib.sha256(json.dumps(reader.config(), sort_keys=True).encode())
-    for name in reader:
-        h.update(f"{name}:{tuple(reader.shape(name))}:{reader.dtype(name)}".encode())
-    for shard in reader.shard_files():
-        h.update(f"{shard}:{(reader.path / shard).stat().st_size}".encode())
-    return h.hexdigest()
-
-
-_INPUT_NAMES = {
-    "model": "another model (config.json, tensor names, shapes, dtypes or shard sizes)",
-    "data": "other calibration data (tokens)",
-    "leaves": "another statistics tree",
-    "salaquant": "another salaquant version",
-}
-
-
-def _flat(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return {k: v for key in sorted(value) for k, v in _flat(value[key], f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): value}
-
-
-def _differences(recorded: Any, current: dict[str, Any], shown: int = 4) -> str:
-    """What differs between the inputs a work folder recorded and this run's: the inputs by name, settings key by
-    key (``gptq.damp 0.01, now 0.05``); a generic phrase for a folder that recorded none."""
-    if not isinstance(recorded, dict):
-        return "another model, calibration set, settings or salaquant version"
-    parts: list[str] = []
-    for name in ("model", "data", "leaves", "salaquant"):
-        if recorded.get(name) != current[name]:
-            was = f" ({recorded.get(name)}, now {current[name]})" if name == "salaquant" else ""
-            parts.append(_INPUT_NAMES[name] + was)
-    old = {**_flat(recorded.get("engine", {}), "engine."), **_flat(recorded.get("settings", {}), "")}
-    new = {**_flat(current["engine"], "engine."), **_flat(current["settings"], "")}
-    keys = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
-    changed = [f"{k} {json.dumps(old.get(k))}, now {json.dumps(new.get(k))}" for k in keys[:shown]]
-    if len(keys) > shown:
-        changed.append(f"{len(keys) - shown} more")
-    if changed:
-        parts.append("other settings (" + "; ".join(changed) + ")")
-    return ", ".join(parts) or "other inputs"
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -422,7 +280,7 @@ class CalibrationEngine:
         if state.get("fingerprint") != self.fingerprint:
             raise ResumeError(
                 f"{self.work_dir} does not match this run (fingerprint mismatch): it was written with "
-                f"{_differences(state.get('inputs'), self.inputs)}; to continue it, rerun with what it was written "
+                f"{differences(state.get('inputs'), self.inputs)}; to continue it, rerun with what it was written "
                 "with; to discard it and start over, rerun with --overwrite instead of --resume"
             )
         digests: dict[str, str] = state.get("tensors", {})
@@ -536,7 +394,7 @@ class CalibrationEngine:
 
     def run(self, quantizer: LayerQuantizer | None = None, resume: bool = False) -> EngineResult:
         """Run (or resume) the whole model; returns the per-layer reports and where the tensors are."""
-        from .progress import EngineProgress
+        from ..progress import EngineProgress
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / "layers").mkdir(exist_ok=True)
@@ -683,7 +541,7 @@ class CalibrationEngine:
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
         tree: TreeSum[LayerStats] = TreeSum(_merge_by_name)
-        for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (salaquant.shards)
+        for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (salaquant.calibration.shards)
             for j in rows:
                 self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
                 if collector is not None:

@@ -11,14 +11,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..io.staging import replace_folder, staging_folder
+from ..outputs import work_dir_for
+from ..recipe import check_flags
+from ..work_folder import guarded_run
+from ..workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
 from .calib_data import CalibOptions
+from .contract import EngineOptions
 from .distributed import barrier
-from .engine import CalibrationEngine, EngineOptions
-from .io.staging import replace_folder, staging_folder
-from .outputs import work_dir_for
-from .recipe import check_flags
-from .work_folder import guarded_run
-from .workflow import check_run_space, prepare_calibration, start_run, statistics_bytes
+from .engine import CalibrationEngine
 
 # What the statistics folder holds: its report (what it holds, from which run), and from the work folder the
 # per-layer statistics and the log.
