@@ -230,19 +230,19 @@ def test_eval_report_never_goes_into_the_source(export: Path, tiny_ckpt: Path, t
 def test_eval_report_folders_that_are_accepted(export: Path, tmp_path: Path) -> None:
     from salaquant import __version__
     from salaquant.eval import EvalInputError
-    from salaquant.eval.command import _report_dir
+    from salaquant.eval.inputs import checked_report_dir
     from salaquant.eval.report import write_json
 
     new = tmp_path / "new" / "reports"
-    assert _report_dir(new, export, SHIPPED) == new and new.is_dir()  # a new folder, made
+    assert checked_report_dir(new, export, SHIPPED) == new and new.is_dir()  # a new folder, made
     write_json({"salaquant": __version__}, new)
-    assert _report_dir(new, export, SHIPPED) == new  # a folder of earlier eval reports
+    assert checked_report_dir(new, export, SHIPPED) == new  # a folder of earlier eval reports
     mine = Path(shutil.copytree(export, tmp_path / "q"))
-    assert _report_dir(mine, mine, SHIPPED) == mine  # the evaluated export, which salaquant wrote
+    assert checked_report_dir(mine, mine, SHIPPED) == mine  # the evaluated export, which salaquant wrote
     with pytest.raises(EvalInputError, match=f"is a checkpoint salaquant wrote, not the evaluated checkpoint {mine}"):
-        _report_dir(export, mine, SHIPPED)  # another export
+        checked_report_dir(export, mine, SHIPPED)  # another export
     with pytest.raises(EvalInputError, match="lies inside the evaluated checkpoint"):
-        _report_dir(mine / "eval", mine, SHIPPED)
+        checked_report_dir(mine / "eval", mine, SHIPPED)
 
 
 def test_eval_help_says_where_the_report_goes() -> None:

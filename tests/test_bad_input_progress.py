@@ -133,8 +133,9 @@ def test_a_long_solve_in_the_calibration_engine_still_prints_lines(
 def test_a_long_niah_prefill_still_prints_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     clocked = _listen(monkeypatch)
     from salaquant.eval import command as eval_command
-    from salaquant.eval.command import EvalOptions, _continue_both
+    from salaquant.eval.command import _continue_both
     from salaquant.eval.generation import Greedy
+    from salaquant.eval.options import EvalOptions
 
     window: list[float] = []
 

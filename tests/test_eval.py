@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 from salaquant.calibration.calib_data import CalibOptions
 from salaquant.cli import app
 from salaquant.eval import EvalInputError, EvalOptions, Thresholds, run_eval
-from salaquant.eval.command import parse_lengths
 from salaquant.eval.data import SHIPPED_SAMPLE
 from salaquant.eval.generation import collapse, find_loop, first_divergence, greedy, longest_run
 from salaquant.eval.metrics import LogitComparison
 from salaquant.eval.niah import FILLER, contains_value, effective_attention, make_case, needle_text, question_text
+from salaquant.eval.options import parse_lengths
 from salaquant.eval.thresholds import parse_fraction
 from salaquant.model.loading import load_model
 from salaquant.run_recipe import eval_gate

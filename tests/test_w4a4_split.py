@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.eval.command import EvalOptions, run_eval
+from salaquant.eval.command import run_eval
+from salaquant.eval.options import EvalOptions
 from salaquant.eval.w4a4_split import ActivationsOnlyLinear, activations_only, smoothing_scales
 from salaquant.model.layout import GROUP_NAMES, input_groups
 from salaquant.model.modeling import layer_rope

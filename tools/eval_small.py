@@ -30,7 +30,7 @@ import salaquant.model.hf  # noqa: F401  (AutoTokenizer reads config.json)
 from salaquant.eval import generation as gen
 from salaquant.eval import niah as nh
 from salaquant.eval import tasks as tk
-from salaquant.eval.command import DEFAULT_DEPTHS
+from salaquant.eval.options import DEFAULT_DEPTHS
 from salaquant.eval.perplexity import encode_stream, perplexity
 from salaquant.runtime.load import load
 

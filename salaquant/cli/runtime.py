@@ -197,7 +197,7 @@ def eval_command(
     """
     from ..calibration.calib_data import CalibrationError
     from ..eval import EvalInputError, EvalOptions, Thresholds, run_eval
-    from ..eval.command import parse_depths, parse_lengths
+    from ..eval.options import parse_depths, parse_lengths
     from ..eval.tasks import TASKS, parse_tasks
     from ..eval.thresholds import parse_fraction, parse_non_negative, parse_task_drops
     from ..formats.check import CheckError

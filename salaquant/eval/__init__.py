@@ -10,10 +10,13 @@ One concept per module:
 * ``layers``: relative error of each quantized decoder layer (and linear) on the float model's hidden states;
 * ``thresholds``: the command-line gates and the exit status they decide;
 * ``report``: terminal tables, ``eval.json`` and ``eval.png``;
+* ``options``: what to measure (``EvalOptions``) and the length / depth flags; ``inputs``: the checks of the inputs
+  before any model is loaded; ``scoring``: NIAH and task results, the spread of repeated runs;
 * ``command``: ``run_eval``, the orchestration behind the CLI.
 """
 
-from .command import EvalInputError, EvalOptions, run_eval
+from .command import run_eval
+from .options import EvalInputError, EvalOptions
 from .thresholds import Thresholds
 
 __all__ = ["EvalInputError", "EvalOptions", "Thresholds", "run_eval"]
