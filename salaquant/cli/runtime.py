@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..eval.options import EvalOptions
 from ..io.files import CheckpointError
 from ..model.config import ConfigError
 from .app import app, console, err, fail
@@ -16,6 +17,8 @@ from .options import (
     Device,
     Field,
 )
+
+_EVAL = EvalOptions()  # every eval flag's default is the option's own
 
 
 @app.command()
@@ -110,21 +113,23 @@ def eval_command(
         str | None, typer.Option(help="Held-out text: .jsonl, text, folder, parquet or hf:NAME... (default: shipped)")
     ] = None,
     field: Field = None,
-    max_len: Annotated[int, typer.Option(help="Tokens per perplexity window (context length).")] = 4096,
-    windows: Annotated[int, typer.Option(help="Number of windows scored.")] = 8,
-    attention: Annotated[str, typer.Option(help="auto (sparse from dense_len on), dense or sparse.")] = "auto",
+    max_len: Annotated[int, typer.Option(help="Tokens per perplexity window (context length).")] = _EVAL.max_len,
+    windows: Annotated[int, typer.Option(help="Number of windows scored.")] = _EVAL.windows,
+    attention: Annotated[str, typer.Option(help="auto (sparse from dense_len on), dense or sparse.")] = _EVAL.attention,
     niah: Annotated[
         str, typer.Option(help='Needle-in-a-haystack lengths, e.g. "8k,32k"; auto = dense_len,4xdense_len; none.')
     ] = "auto",
-    niah_depths: Annotated[str, typer.Option(help="Needle depths (fractions of the context).")] = "0.1,0.3,0.5,0.7,0.9",
+    niah_depths: Annotated[str, typer.Option(help="Needle depths (fractions of the context).")] = ",".join(
+        map(str, _EVAL.niah_depths)
+    ),
     prompts: Annotated[
         str | None, typer.Option(help="Generation prompts: .jsonl (prompt/text) or one per line (default: built-in).")
     ] = None,
-    gen_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (0 skips generation).")] = 40,
+    gen_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (0 skips generation).")] = _EVAL.gen_tokens,
     gen_prompts: Annotated[
         int,
         typer.Option(help="Built-in prompts generated from (without --prompts); 16 with --gen-tokens 2048: long runs."),
-    ] = 6,
+    ] = _EVAL.gen_prompts,
     tasks: Annotated[
         str,
         typer.Option(help="Long-context tasks: niah_multikey, niah_multivalue (niah: both), vt, cwe, fwe; none."),
@@ -132,17 +137,19 @@ def eval_command(
     lengths: Annotated[
         str, typer.Option(help='Task prompt lengths, e.g. "4k,32k,128k"; auto = the NIAH lengths.')
     ] = "auto",
-    task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = 2,
+    task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = _EVAL.task_samples,
     temperature: Annotated[
         float, typer.Option(help="NIAH, tasks and generation: 0 greedy, else sampled at this temperature.")
-    ] = 0.0,
+    ] = _EVAL.temperature,
     repeat: Annotated[
         int, typer.Option(help="Runs of NIAH, tasks and generation with different seeds (needs --temperature).")
-    ] = 1,
+    ] = _EVAL.repeat,
     kv_cache: Annotated[
         str, typer.Option(help="The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3.")
-    ] = "bf16",
-    layer_windows: Annotated[int, typer.Option(help="Windows for the per-layer error (0 skips it).")] = 2,
+    ] = _EVAL.kv_cache,
+    layer_windows: Annotated[
+        int, typer.Option(help="Windows for the per-layer error (0 skips it).")
+    ] = _EVAL.layer_windows,
     report: Annotated[
         Path | None,
         typer.Option(
@@ -162,9 +169,9 @@ def eval_command(
     ] = None,
     activations: Annotated[
         str, typer.Option(help="auto (fp4 for NVFP4: W4A4 as Blackwell runs it), fp4 or bf16 (weight-only).")
-    ] = "auto",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel size for the format check.")] = 1,
-    seed: Annotated[int, typer.Option(help="Seed of the NIAH filler, keys and values.")] = 0,
+    ] = _EVAL.activations,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size for the format check.")] = _EVAL.tp,
+    seed: Annotated[int, typer.Option(help="Seed of the NIAH filler, keys and values.")] = _EVAL.seed,
     max_ppl_increase: Annotated[str | None, typer.Option(help='Fail above this perplexity increase: "5%" or 0.05.')] = (
         None
     ),
@@ -196,7 +203,7 @@ def eval_command(
     Exit status: 0 all thresholds met, 1 format check failed, 2 bad input, 3 a threshold missed.
     """
     from ..calibration.calib_data import CalibrationError
-    from ..eval import EvalInputError, EvalOptions, Thresholds, run_eval
+    from ..eval import EvalInputError, Thresholds, run_eval
     from ..eval.options import parse_depths, parse_lengths
     from ..eval.tasks import TASKS, parse_tasks
     from ..eval.thresholds import parse_fraction, parse_non_negative, parse_task_drops
