@@ -87,8 +87,9 @@ def with_gptqmodel(path: str) -> dict[str, Any]:
     reader = CheckpointReader(Path(path))
     qc = reader.config()["quantization_config"]
     unequal = []
+    quantized = _quantized(model)
     for name, module in model.named_modules():
-        if name in _quantized(model):
+        if name in quantized:
             plan = plan_for(qc.get("dynamic") or {}, name, int(qc["bits"]), int(qc["group_size"]))
             tensors = {k: reader.get(f"{name}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
             ours = dequantize_gptq_v1(tensors, plan.bits).half()  # fp32 scale x integer, rounded once to fp16
@@ -98,7 +99,7 @@ def with_gptqmodel(path: str) -> dict[str, Any]:
     return {
         "class": type(model).__name__,
         "definition": type(qmodel).__name__,
-        "quantized": _quantized(model),
+        "quantized": quantized,
         "dequantize_unequal": unequal,
         "fp16": _compare(logits, ref),
     }

@@ -372,6 +372,7 @@ def test_checker_modules_in_block_against_both_readers(tmp_path: Path) -> None:
     errors = _error(_write_ckpt(tmp_path / "short", qc={"modules_in_block_to_quantize": short}))
     assert "model.layers.0.self_attn.o_gate.weight: stored plain" in errors and "vLLM" in errors
     assert "model.layers.1.mlp.gate_proj.qweight: quantized, but no modules_in_block_to_quantize entry" in errors
+    assert "model.layers.1.mlp.gate_proj.qweight: quantized, but modules_in_block_to_quantize does not list" in errors
     # a layer left out: its quantized linears would load as plain ones in transformers
     errors = _error(_write_ckpt(tmp_path / "layer", qc={"modules_in_block_to_quantize": full[:1]}))
     assert "model.layers.1.mlp.down_proj.qweight: quantized, but no modules_in_block_to_quantize" in errors

@@ -393,11 +393,6 @@ def check_gptq(reader: CheckpointReader, config: dict[str, Any], tp: int) -> Che
                 else:
                     errors.append(f"{module}: no qweight (the config quantizes it)")
                 continue
-            if listed is not None and not any(s in module for s in listed):
-                errors.append(
-                    f"{module}.qweight: quantized, but modules_in_block_to_quantize does not list it "
-                    "(vLLM would build an unquantized layer)"
-                )
             head = _layer_head_dim(sala, module)
             _check_gptq_module(reader, module, leaves, m_bits, m_gs, m_desc, kind, tp, head, errors)
             report.quantized.append(module)
@@ -454,7 +449,14 @@ def _check_listed(listed: list[str], report: CheckReport, errors: list[str]) -> 
     (transformers' GPTQ path) quantizes a linear whose name ends with a listed string, vLLM one whose name
     contains one. Either reading must give exactly the stored quantized linears."""
     for module in report.quantized:
-        if module != "lm_head" and not any(module.endswith(s) for s in listed):
+        if module == "lm_head":
+            continue
+        if not any(s in module for s in listed):
+            errors.append(
+                f"{module}.qweight: quantized, but modules_in_block_to_quantize does not list it "
+                "(vLLM would build an unquantized layer)"
+            )
+        if not any(module.endswith(s) for s in listed):
             errors.append(
                 f"{module}.qweight: quantized, but no modules_in_block_to_quantize entry ends its name "
                 "(transformers' GPTQ path would build a plain linear and drop the GPTQ tensors)"
