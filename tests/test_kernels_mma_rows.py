@@ -203,7 +203,7 @@ def _nvfp4_operands(seed: int, m: int, k: int, n: int, dtype: torch.dtype, devic
 
 def _rows(n: int, k: int, split: int | None = None, tiles: int = 2, warps: int = 4, device: str = "cpu"):
     """The NVFP4 row kernel's launch configuration (``split`` None: its default split)."""
-    from salaquant.kernels.nvfp4 import triton_kernels as nk
+    from salaquant.kernels.nvfp4 import tuning as nk
 
     split = nk._rows_split(n, k, 16 * tiles * warps, torch.device(device)) if split is None else split
     return nk.NVFP4Config("rows", block_n=16 * tiles * warps, split_k=split, num_warps=warps, num_stages=1)
@@ -310,13 +310,14 @@ def test_gpu_nvfp4_mma_rows_ptx_matches_emulation(monkeypatch: pytest.MonkeyPatc
     """NVFP4: the PTX against its emulation on the same GPU and both within the bound of the reference, at the
     default launch and split."""
     from salaquant.kernels.nvfp4 import triton_kernels as nk
+    from salaquant.kernels.nvfp4 import tuning
 
     k, n = shape
     seed = _seed()
     x, weight, scale, s2 = _nvfp4_operands(seed, m, k, n, torch.bfloat16, "cuda")
     cfg = _rows(n, k, device="cuda")
     got = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
-    monkeypatch.setattr(nk, "_EMULATE_PAIRED", True)
+    monkeypatch.setattr(tuning, "_EMULATE_PAIRED", True)
     emulated = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg)
     what = f"seed={seed} M={m} K={k} N={n}"
     _nvfp4_bound_check(got, x, weight, scale, s2, what + " PTX")

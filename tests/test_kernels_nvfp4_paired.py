@@ -161,7 +161,7 @@ def test_paired_nan_scale_gives_nan(tk) -> None:
 
 
 def test_default_config_takes_the_paired_gemv_for_one_half_row() -> None:
-    from salaquant.kernels.nvfp4 import triton_kernels as tk
+    from salaquant.kernels.nvfp4 import tuning as tk
 
     for dtype in (torch.float16, torch.bfloat16):
         cfg = tk.default_config(1, 4096, 4096, "cpu", dtype)
@@ -177,7 +177,7 @@ def test_paired_splits_by_gpu_and_shape(monkeypatch: pytest.MonkeyPatch) -> None
     in one wave of what the GPU holds and keep a K tile each: gate_up and qkv have 1024 and 384 row tiles, so 1;
     4096 -> 2048 has 64 tiles and 8 K tiles, so 4 in a wave of 396 and 8 in one of 660; off Hopper down and o_proj
     have 128 tiles, so 2 in a wave of 396."""
-    from salaquant.kernels.nvfp4 import triton_kernels as tk
+    from salaquant.kernels.nvfp4 import tuning as tk
 
     wave = {"programs": 396}
     monkeypatch.setattr(tk, "_paired_wave", lambda *args: wave["programs"])
@@ -217,6 +217,7 @@ def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int
     bound of the fp32 reference, at SALA shapes with the default launch; ``huge_bf16``: activations up to 3e5 in
     the first quarter of K."""
     from salaquant.kernels.nvfp4 import triton_kernels as tk
+    from salaquant.kernels.nvfp4 import tuning
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -228,7 +229,7 @@ def test_gpu_paired_ptx_equals_emulation(monkeypatch: pytest.MonkeyPatch, k: int
     x = x.to(torch.float16 if case == "fp16" else torch.bfloat16).cuda()
     assert tk.default_config(1, n, k, "cuda", x.dtype).kernel == "paired"
     got = tk.nvfp4_matmul_triton(x, weight, scale, s2)
-    monkeypatch.setattr(tk, "_EMULATE_PAIRED", True)
+    monkeypatch.setattr(tuning, "_EMULATE_PAIRED", True)
     emulated = tk.nvfp4_matmul_triton(x, weight, scale, s2)
     assert torch.equal(got, emulated), f"seed={seed}: max diff {float((got.float() - emulated.float()).abs().max())}"
     _bound_check(got.cpu(), x.cpu(), weight.cpu(), scale.cpu(), s2.cpu(), 0.0, f"seed={seed} {case}")

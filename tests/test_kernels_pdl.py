@@ -73,6 +73,7 @@ def test_gpu_pdl_chain(fmt: str, m: int) -> None:
     """Three square layers, each fed the previous output: with PDL, eagerly and replayed from a CUDA graph, the
     same bits as without."""
     from salaquant.kernels.nvfp4 import triton_kernels as nk
+    from salaquant.kernels.nvfp4 import tuning
     from salaquant.kernels.w4a16 import triton_kernels as wk
 
     if not dev.pdl_capable(torch.device("cuda")):
@@ -90,7 +91,7 @@ def test_gpu_pdl_chain(fmt: str, m: int) -> None:
         layers = [_nvfp4(gen, k, k) for _ in range(3)]
 
         def layer(x: torch.Tensor, w: tuple, pdl: bool) -> torch.Tensor:
-            rows = nk.NVFP4Config("rows", block_n=128, split_k=nk._rows_split(k, k, 128, x.device), num_stages=1)
+            rows = nk.NVFP4Config("rows", block_n=128, split_k=tuning._rows_split(k, k, 128, x.device), num_stages=1)
             return nk.nvfp4_matmul_triton(x, *w, pdl=pdl, config=rows if m > 1 else None)
 
     def chain(x: torch.Tensor, pdl: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ activation rows. Lane ``4 g + q`` of a warp holds, in its A registers, slots ``2
 columns ``g`` and ``g + 8`` and, in its B registers, the same slots of activation row ``g``. The slots may stand
 for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes word row ``w + q`` of the round
 (four words of eight codes along K, 32 K values) and the two columns. Both formats' paired dequantizations
-(``w4a16.paired_gemv``, ``nvfp4.paired_gemv``) turn a word into the fp16 pairs ``(c_j, c_{j+4})`` for
+(``int4_pairs``, ``e2m1_pairs``) turn a word into the fp16 pairs ``(c_j, c_{j+4})`` for
 ``j = 0..3``, exactly the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernels, so slot pair
 ``(2q, 2q+1)`` of step ``s`` is ``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps
 use a word's eight codes; for GPTQ a second pair of MMAs takes activation rows 8-15 when there are more than 8
@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .nvfp4.paired_gemv import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
+from .e2m1_pairs import E2M1_PAIRS_PTX, OUT_SHIFT, e2m1_pair, scale_pair
+from .int4_pairs import OUT_SCALE, dequant_constants, emulated_pairs
 from .paired_f16 import (
     RANGE_CHUNK,
     emulated_fma2,
@@ -58,7 +59,6 @@ from .paired_f16 import (
     pow2,
 )
 from .split_k import finish_split_k
-from .w4a16.paired_gemv import OUT_SCALE, dequant_constants, emulated_pairs
 
 __all__ = ["check_launch", "emulated_mma", "mma_rows_kernel"]
 

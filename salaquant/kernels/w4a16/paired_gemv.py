@@ -31,23 +31,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, i32, pow2, range_shift
+from ..int4_pairs import OUT_SCALE, dequant_constants, emulated_pairs
+from ..paired_f16 import DOT4_PTX, RANGE_CHUNK, emulated_fma2, f16_pair_shifted, half, halves, pow2, range_shift
 from ..split_k import finish_split_k, k_slice
 from .words import lead, load_words, tile_scales
 
-__all__ = ["OUT_SCALE", "dequant_constants", "emulated_pairs", "paired_gemv_kernel", "word_dot"]
-
-_MAGIC16 = 0x64006400  # a pair of fp16 1024.0
-_LO_MASK = 0x000F000F  # codes j and j + 4 (j = 0, or 2 after >> 8), each at bit 0 of its half
-_HI_MASK = 0x00F000F0  # codes j and j + 4 (j = 1, or 3 after >> 8), each at bit 4 of its half
-_LO_MUL, _LO_ADD = 0x28002800, 0xD008D008  # (1024 + c) / 32 - 32.25 = (c - 8) / 32
-_HI_MUL, _HI_ADD = 0x18001800, 0xC080C080  # (1024 + 16 c) / 512 - 2.25 = (c - 8) / 32
-
-
-C_MAGIC, C_LO_MASK, C_HI_MASK = i32(_MAGIC16), i32(_LO_MASK), i32(_HI_MASK)
-C_LO_MUL, C_LO_ADD, C_HI_MUL, C_HI_ADD = i32(_LO_MUL), i32(_LO_ADD), i32(_HI_MUL), i32(_HI_ADD)
-OUT_SCALE = tl.constexpr(32.0)
-"""The codes are used as ``(code - 8) / 32``: the accumulated sum is multiplied by this at the end."""
+__all__ = ["paired_gemv_kernel", "word_dot"]
 
 _WORD_PTX = tl.constexpr(
     """{
@@ -68,38 +57,6 @@ fma.rn.f16x2 a3, a3, $13, $14;
     + """fma.rn.f32 $0, lf, $6, $7;
 }"""
 )
-
-
-@triton.jit
-def dequant_constants(shape: tl.constexpr):
-    """The seven int32 operands the dequantization PTX takes, in its order: low mask, magic pair, high mask, then
-    the low and high codes' paired multiply and add."""
-    return (
-        tl.full(shape, C_LO_MASK, tl.int32),
-        tl.full(shape, C_MAGIC, tl.int32),
-        tl.full(shape, C_HI_MASK, tl.int32),
-        tl.full(shape, C_LO_MUL, tl.int32),
-        tl.full(shape, C_LO_ADD, tl.int32),
-        tl.full(shape, C_HI_MUL, tl.int32),
-        tl.full(shape, C_HI_ADD, tl.int32),
-    )
-
-
-@triton.jit
-def emulated_pairs(words):
-    """The interpreter's dequantization: the fp16 pairs ``((c_j - 8) / 32, (c_{j+4} - 8) / 32)``, ``j = 0..3``, of
-    each int32 word (the PTX's operations, emulated per half)."""
-    q8 = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
-    lo_mul = tl.full(words.shape, C_LO_MUL, tl.int32)
-    lo_add = tl.full(words.shape, C_LO_ADD, tl.int32)
-    hi_mul = tl.full(words.shape, C_HI_MUL, tl.int32)
-    hi_add = tl.full(words.shape, C_HI_ADD, tl.int32)
-    return (
-        emulated_fma2((words & C_LO_MASK) | C_MAGIC, lo_mul, lo_add),
-        emulated_fma2((words & C_HI_MASK) | C_MAGIC, hi_mul, hi_add),
-        emulated_fma2((q8 & C_LO_MASK) | C_MAGIC, lo_mul, lo_add),
-        emulated_fma2((q8 & C_HI_MASK) | C_MAGIC, hi_mul, hi_add),
-    )
 
 
 @triton.jit
