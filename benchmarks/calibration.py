@@ -20,30 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import work_flops
 
 from salaquant.calibration.contract import EngineOptions
 from salaquant.calibration.engine import CalibrationEngine
-from salaquant.model.config import LIGHTNING, SalaConfig
-from salaquant.model.layout import input_groups, layer_linears
+from salaquant.model.config import SalaConfig
 from salaquant.model.tiny import preset_config, write_random_checkpoint
-
-
-def work_flops(cfg: SalaConfig, lengths: list[int], hessian: bool) -> dict[str, float]:
-    """FLOPs of the forward pass plus the X^T X products for the given sample lengths (one pass)."""
-    linear = attn = hess = 0.0
-    for kind in cfg.mixer_types:
-        specs = {s.name: s for s in layer_linears(cfg, kind)}
-        per_token = sum(2 * s.out_features * s.in_features for s in specs.values())
-        dims = [specs[g.members[0]].in_features for g in input_groups(cfg, kind)]
-        for t in lengths:
-            linear += per_token * t
-            if hessian:
-                hess += sum(2 * t * d * d for d in dims)
-            if kind == LIGHTNING:  # chunked GLA: ~4 matmuls of [64 x D] per token and head
-                attn += t * cfg.lightning_nh * 4 * 2 * 64 * cfg.lightning_head_dim
-            else:  # causal softmax attention: QK^T and PV over half the square
-                attn += 2 * 2 * t * t / 2 * cfg.num_attention_heads * cfg.head_dim
-    return {"linear": linear, "attention": attn, "hessian": hess, "total": linear + attn + hess}
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "sala-small"
-CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
+from common import CALIB, ROOT, SMALL
+
+MODEL = SMALL
 TASKS = "niah_multikey,niah_multivalue,vt,cwe,fwe"
 EXPORTS = {
     "rtn": ["gptq", "--method", "rtn"],

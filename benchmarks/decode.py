@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results import shape_parser, write_results
+from common import CALIB, shape_parser, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -47,9 +47,6 @@ from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.decode import Decoder
 from salaquant.runtime.load import load
-
-ROOT = Path(__file__).resolve().parents[1]
-CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
 
 
 def _sync(device: str) -> None:

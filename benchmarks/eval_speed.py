@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from decode import CALIB, ROOT
-from results import shape_parser, write_results
+from common import CALIB, TINY, shape_parser, write_results
 from rich.console import Console
 from rich.table import Table
 
@@ -48,10 +47,10 @@ def setup(scratch: Path, preset: str, device: str) -> dict[str, float]:
     shutil.rmtree(scratch, ignore_errors=True)
     t0 = time.perf_counter()
     config = preset_config(preset)
-    shipped = json.loads((ROOT / "models" / "sala-tiny" / "config.json").read_text())
+    shipped = json.loads((TINY / "config.json").read_text())
     config["vocab_size"] = max(config["vocab_size"], shipped["vocab_size"])  # every id of the shipped tokenizer
     source = write_random_checkpoint(scratch / "bf16", config, seed=0, device=device)
-    for f in (ROOT / "models" / "sala-tiny").glob("*token*"):
+    for f in (TINY).glob("*token*"):
         shutil.copy(f, source / f.name)
     t1 = time.perf_counter()
     run_gptq(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from results import write_results
+from common import write_results
 from triton.testing import do_bench
 
 from salaquant.kernels import infllm

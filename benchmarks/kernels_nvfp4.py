@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from results import write_results
+from common import write_results
 from triton.testing import do_bench, do_bench_cudagraph
 
 from salaquant.kernels.backend import DEQUANT_MIN_M

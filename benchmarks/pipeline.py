@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from calibration import work_flops
+from common import CALIB, TINY, work_flops
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
@@ -49,9 +49,8 @@ from salaquant.model.layout import parameter_shapes
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 from salaquant.workflow import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_SOURCE = ROOT / "models" / "sala-tiny"
-TEXT_SOURCE = ROOT / "calib" / "sala-tiny-calib.jsonl"
+TOKENIZER_SOURCE = TINY
+TEXT_SOURCE = CALIB
 TOKENIZER_VOCAB = 4096
 
 

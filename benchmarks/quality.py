@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import CALIB, ROOT, TINY, quiet
 from rich.console import Console
 from rich.table import Table
 
@@ -50,13 +51,7 @@ from salaquant.model.tiny import preset_config, write_random_checkpoint
 from salaquant.runtime.load import load
 from salaquant.workflow import load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "sala-tiny"
-CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
-
-
-def _quiet() -> Console:
-    return Console(quiet=True)
+MODEL = TINY
 
 
 def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str, Callable[[Path], object]]]:
@@ -68,11 +63,11 @@ def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str,
 
     def gptq(opts: GPTQLayerOptions) -> Callable[[Path], object]:
         run = RunOptions(device="cpu", show_progress=False, overwrite=True)
-        return lambda out: run_gptq(model, out, [str(CALIB)], calib, BitsOptions(), opts, run, _quiet())
+        return lambda out: run_gptq(model, out, [str(CALIB)], calib, BitsOptions(), opts, run, quiet())
 
     def nvfp4(opts: NVFP4LayerOptions, dense_all: bool) -> Callable[[Path], object]:
         run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
-        return lambda out: run_nvfp4(model, out, [str(CALIB)], calib, opts, run, _quiet())
+        return lambda out: run_nvfp4(model, out, [str(CALIB)], calib, opts, run, quiet())
 
     return [
         ("RTN W4 g128 (baseline)", "rtn", gptq(GPTQLayerOptions(method="rtn", mse=False, smooth_alpha=None))),

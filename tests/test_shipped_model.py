@@ -13,7 +13,7 @@ from salaquant.model.loading import load_model
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "sala-tiny"
 # The README's figure: held-out perplexity of the bf16 checkpoint on its first 16 x 1024 held-out tokens,
-# dense attention (benchmarks/eval_tiny.py).
+# dense attention (benchmarks/studies/eval_tiny.py).
 README_HELDOUT_PPL = 31.371
 
 

@@ -7,7 +7,8 @@ templates, words and filler), decoded greedily by eval's ``continue_batch`` on t
 attention: sparse from ``dense_len`` on) and scored by ``contains_value`` / ``score``. ``--seeds`` and
 ``--samples`` widen eval's default of seed 0 and two cases per task, so that a rate is not 5 cases; the seed-0
 figures are reported apart. Trivial baselines of cwe and fwe: the first distinct words of the list or text.
-Held-out perplexity: ``benchmarks/eval_tiny.py``'s figure (16 x 1024 tokens of sala-tiny's held-out split, dense).
+Held-out perplexity: ``benchmarks/studies/eval_tiny.py``'s figure (16 x 1024 tokens of sala-tiny's held-out split,
+dense).
 Loops: eval's ``find_loop`` on its built-in prompts' greedy continuations.
 
   python tools/eval_small.py CKPT --json OUT/eval.json

@@ -28,36 +28,41 @@ Selection uses the validation text only, by one rule fixed before any run: the l
 The held-out figures of the pick are then a confirmation, not a fit. The mean relative output error of the
 linears on the calibration inputs (the GPTQ objective, from ``quant_report.json``) is a third, text-free signal.
 
-  python benchmarks/gptq_variants.py --out OUT [--only NAME ...] [--val-windows N] [--no-stage2] [--resume]
+  python benchmarks/studies/gptq_variants.py --out OUT [--only NAME ...] [--val-windows N] [--no-stage2] [--resume]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from quality import CALIB, MODEL, ROOT, _quiet
 from rich.console import Console
 from rich.table import Table
+from scoring import (
+    CALIB,
+    MODEL,
+    ROOT,
+    TextSet,
+    mean,
+    paired,
+    quiet,
+    scoring_arguments,
+    scoring_sets,
+    slug,
+    source_state,
+)
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.eval.data import SHIPPED_SAMPLE, load_eval_text
-from salaquant.eval.metrics import LogitComparison
-from salaquant.eval.perplexity import windows
 from salaquant.gptq.command import RunOptions, run_gptq
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.loading import load_model
-from salaquant.workflow import load_tokenizer
 
 MSE = GPTQLayerOptions(mse=True, smooth_alpha=0.5)
 ALPHA_GRID = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -82,105 +87,6 @@ SINGLE_CHANGES: dict[str, dict[str, Any]] = {
     "tokens Hessian": {"hessian_weighting": "tokens"},
 }
 
-# Files whose edits change the figures: hashed at the start and the end of the run (another change in flight
-# to any of them between the two shows up as a mismatch in the JSON).
-WATCHED = (
-    "salaquant/gptq/solver.py",
-    "salaquant/gptq/layer.py",
-    "salaquant/formats/gptq_v1/packing.py",
-    "salaquant/gptq/command.py",
-    "salaquant/calibration/engine.py",
-    "salaquant/smooth/fold.py",
-    "salaquant/calibration/stats.py",
-)
-
-
-def source_state(watched: tuple[str, ...] = WATCHED) -> dict[str, Any]:
-    files = {f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:16] for f in watched}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", *watched], cwd=ROOT, capture_output=True, text=True
-        ).stdout.split("\n")
-    except OSError:
-        head, dirty = "?", []
-    return {"git_head": head, "modified": [line[3:] for line in dirty if line.strip()], "sha256_16": files}
-
-
-def validation_text(out: Path, tok: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The records of the model's held-out split that are neither in the shipped held-out sample nor in the
-    calibration file, written to ``out/validation.jsonl`` and tokenized the way eval tokenizes held-out text."""
-    sample = {json.loads(line)["text"] for line in SHIPPED_SAMPLE.read_text().splitlines() if line.strip()}
-    calib = {json.loads(line)["text"] for line in CALIB.read_text().splitlines() if line.strip()}
-    kept = []
-    for line in (MODEL / "heldout.jsonl").read_text().splitlines():
-        if line.strip() and (rec := json.loads(line))["text"] not in sample | calib:
-            kept.append(rec)
-    path = out / "validation.jsonl"
-    path.write_text("".join(json.dumps({"id": r.get("id"), "text": r["text"]}) + "\n" for r in kept))
-    text = load_eval_text(str(path), tok, tok.eos_token_id)
-    return text.tokens, {**text.summary(), "ids": [r.get("id") for r in kept]}
-
-
-class TextSet:
-    """Windows of one text and the bf16 model's logits on them (computed once, shared by every variant)."""
-
-    def __init__(self, name: str, wins: list[torch.Tensor], reference: torch.nn.Module) -> None:
-        self.name, self.wins = name, wins
-        with torch.no_grad():
-            self.ref_logits = [reference(w[None], attention_mode="dense").logits[0, :-1] for w in wins]
-
-    @torch.no_grad()
-    def score(self, model: torch.nn.Module) -> dict[str, Any]:
-        """``LogitComparison`` of bf16 against ``model`` over all windows, plus per-window means (the unit of
-        the standard errors and of the paired comparisons)."""
-        cmp = LogitComparison()
-        for w, p in zip(self.wins, self.ref_logits, strict=True):
-            cmp.update(p, model(w[None], attention_mode="dense").logits[0, :-1], w[1:])
-        s = cmp.summary()
-        nll_diff = [float((q - p).double().mean()) for p, q in zip(cmp.nll_source, cmp.nll_quantized, strict=True)]
-        kl = [float(k.double().mean()) for k in cmp.kl]
-        return {
-            "ppl": s["ppl_quantized"],
-            "ppl_source": s["ppl_source"],
-            "ppl_increase": s["ppl_increase"],
-            "ppl_increase_se": math.exp(_mean(nll_diff)) * _se(nll_diff),  # delta method on exp(mean NLL diff)
-            "kl": s["kl"],
-            "kl_se": _se(kl),
-            "kl_p99": s["kl_p99"],
-            "top1": s["top1"],
-            "windows": s["windows"],
-            "tokens": s["tokens"],
-            "window_nll_diff": nll_diff,
-            "window_kl": kl,
-        }
-
-
-def _mean(x: list[float]) -> float:
-    return sum(x) / len(x)
-
-
-def _se(x: list[float]) -> float:
-    if len(x) < 2:
-        return math.nan
-    m = _mean(x)
-    return math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x))
-
-
-def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """Variant ``a`` minus variant ``b`` on the same windows: NLL difference (nats/token, ~ ppl-increase
-    difference), KL difference, each with its standard error over windows, and the share of windows where
-    ``a`` has the lower KL."""
-    dn = [x - y for x, y in zip(a["window_nll_diff"], b["window_nll_diff"], strict=True)]
-    dk = [x - y for x, y in zip(a["window_kl"], b["window_kl"], strict=True)]
-    return {
-        "nll": _mean(dn),
-        "nll_se": _se(dn),
-        "kl": _mean(dk),
-        "kl_se": _se(dk),
-        "kl_windows_better": sum(d < 0 for d in dk) / len(dk),
-    }
-
 
 def calib_rel_err(export: Path) -> float | None:
     """Mean over linears of the relative output error on the calibration inputs (``quant_report.json``)."""
@@ -189,11 +95,7 @@ def calib_rel_err(export: Path) -> float | None:
         return None
     summary = json.loads(report.read_text()).get("summary") or {}
     vals = [v["gptq"] for v in summary.values()]
-    return _mean(vals) if vals else None
-
-
-def slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c == "." else "-" for c in name.lower()).strip("-")
+    return mean(vals) if vals else None
 
 
 def run_variant(
@@ -218,7 +120,7 @@ def run_variant(
         return {**cached["row"], "variant": name, "tag": tag, "from_cache": str(cache)}
     t0 = time.perf_counter()
     try:
-        run_gptq(MODEL, export, [str(CALIB)], calib, BitsOptions(), opts, run, _quiet())
+        run_gptq(MODEL, export, [str(CALIB)], calib, BitsOptions(), opts, run, quiet())
         row["quantize_s"] = round(time.perf_counter() - t0, 1)
         row["calib_rel_err"] = calib_rel_err(export)
         net = load_model(export)
@@ -290,32 +192,6 @@ def validation_pick(
         changes.update(diff)
     opts = GPTQLayerOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in auto["options"].items()})
     return dataclasses.replace(opts, **changes), why
-
-
-def scoring_arguments(doc: str | None) -> argparse.ArgumentParser:
-    """The options every study on these texts takes: output folder, calibration, windows, threads, resume."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=16, help="held-out windows (quality.py's)")
-    ap.add_argument("--window-len", type=int, default=1024)
-    ap.add_argument("--val-windows", type=int, default=None, help="validation windows (default: all)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--resume", action="store_true", help="reuse the scored rows a previous run left in OUT/rows")
-    return ap
-
-
-def scoring_sets(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TextSet], dict[str, Any]]:
-    """The bf16 reference and the ``[validation, heldout]`` sets it is scored against (the held-out windows are
-    exactly quality.py's), with the validation text's description."""
-    tok = load_tokenizer(MODEL)
-    reference = load_model(MODEL)
-    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
-    held = TextSet("heldout", windows(held_tokens, args.window_len, args.windows), reference)
-    val_tokens, val_info = validation_text(args.out, tok)
-    val = TextSet("validation", windows(val_tokens, args.window_len, args.val_windows), reference)
-    return reference, [val, held], val_info
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ For one minicpm4 and one lightning layer with random bf16 weights: (a) the calib
 over a token mix (chunks of 8192 with the KV cache / GLA state carried, input statistics collected) and
 (b) NVFP4 quantization of all its linears with the 80-step block-scale search. Prints both and writes JSON.
 
-  python benchmarks/nvfp4_search.py --out OUT [--tokens 196608]
+  python benchmarks/studies/nvfp4_search.py --out OUT [--tokens 196608]
 """
 
 from __future__ import annotations

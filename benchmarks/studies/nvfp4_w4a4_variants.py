@@ -5,7 +5,7 @@ Two questions, each answered by one rule fixed before any run:
 1. **SmoothQuant for W4A4.** Every variant goes through ``salaquant nvfp4`` (default exclusions and ``--dense-all``)
    with the calibration set ``benchmarks/quality.py`` uses (32 samples of at most 2048 tokens), is loaded by the
    runtime with ``activations="fp4"`` and scored on the validation text and the held-out windows (both from
-   ``benchmarks/gptq_variants.py``: the model's held-out documents not in the shipped sample, and exactly
+   ``benchmarks/studies/gptq_variants.py``: the model's held-out documents not in the shipped sample, and exactly
    quality.py's windows); the exports keep ModelOpt's max rule for ``input_scale`` (``--input-scale max``).
    Candidates: no smoothing, alpha 0.3, 0.5, 0.7, 0.85 on the method's three groups, and alpha 0.5 on all four
    groups (adding ``up_proj`` -> ``down_proj``).
@@ -24,7 +24,7 @@ text, averaged over the default and the dense-all exports, replaces the incumben
 the max) only if its validation KL is lower by more than one paired standard error over the windows of both
 exports; otherwise the incumbent stays. The held-out figures only confirm.
 
-  python benchmarks/nvfp4_w4a4_variants.py --out OUT [--device cuda] [--val-windows N]
+  python benchmarks/studies/nvfp4_w4a4_variants.py --out OUT [--device cuda] [--val-windows N]
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gptq_variants import TextSet, _mean, _se, slug, source_state, validation_text
-from quality import CALIB, MODEL, ROOT, _quiet
 from rich.console import Console
 from rich.table import Table
+from scoring import CALIB, MODEL, ROOT, TextSet, mean, quiet, se, slug, source_state, validation_text
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
@@ -151,14 +150,14 @@ def set_scales(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> None:
 def paired_pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
     """Validation KL of ``a`` minus ``b`` over the windows of every export pair (default and dense-all)."""
     dk = [x - y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra["window_kl"], rb["window_kl"], strict=True)]
-    return {"kl": _mean(dk), "kl_se": _se(dk), "windows_better": sum(d < 0 for d in dk) / len(dk)}
+    return {"kl": mean(dk), "kl_se": se(dk), "windows_better": sum(d < 0 for d in dk) / len(dk)}
 
 
 def decide(rows: list[dict[str, Any]], incumbent: str) -> dict[str, Any]:
     """The rule: least mean validation KL over both exports; it replaces the incumbent only when lower by more than
     one pooled paired standard error."""
     ok = [r for r in rows if all("validation" in r[ex] for ex, _ in EXCLUSIONS)]
-    mean_kl = {r["variant"]: _mean([r[ex]["validation"]["kl"] for ex, _ in EXCLUSIONS]) for r in ok}
+    mean_kl = {r["variant"]: mean([r[ex]["validation"]["kl"] for ex, _ in EXCLUSIONS]) for r in ok}
     best = min(ok, key=lambda r: mean_kl[r["variant"]])
     inc = next(r for r in ok if r["variant"] == incumbent)
     d = paired_pooled([best[ex]["validation"] for ex, _ in EXCLUSIONS], [inc[ex]["validation"] for ex, _ in EXCLUSIONS])
@@ -214,7 +213,7 @@ def main() -> None:
             export = args.out / "exports" / f"{slug(name)}-{ex}"
             opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups, input_scale="max")
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
-            run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, _quiet())
+            run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
             row[ex] = {"export": str(export), **score(load(export, device=dev, activations="fp4", kernels=False))}
             row[ex]["seconds"] = round(time.perf_counter() - t0, 1)
             _print(console, name, ex, row[ex], row[ex]["seconds"])
@@ -238,7 +237,7 @@ def main() -> None:
         for row in scale_rows:
             t0 = time.perf_counter()
             scales = {k: st.scale(row["variant"]) for k, st in stats.items()}
-            factors.setdefault(row["variant"], {})[ex] = _mean([float(scales[k] / st.base) for k, st in stats.items()])
+            factors.setdefault(row["variant"], {})[ex] = mean([float(scales[k] / st.base) for k, st in stats.items()])
             set_scales(net, scales)
             row[ex] = score(net)
             row[ex]["scale_over_max"] = {k: float(scales[k] / st.base) for k, st in stats.items()}
@@ -257,7 +256,7 @@ def main() -> None:
             smooth_alpha=picked["smooth_alpha"], smooth_groups=tuple(picked["smooth_groups"]), input_scale="mse"
         )
         run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
-        run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, _quiet())
+        run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
         command_row[ex] = score(load(export, device=dev, activations="fp4", kernels=False))
         report = json.loads((export / "quant_report.json").read_text())
         command_row[ex]["factors"] = {

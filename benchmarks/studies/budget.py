@@ -1,5 +1,5 @@
 """``--budget`` against hand rules of the same size, on the shipped tiny model, scored on a validation text AND on
-the held-out windows (the texts, the calibration and the scoring of ``benchmarks/gptq_variants.py``).
+the held-out windows (the texts, the calibration and the scoring of ``benchmarks/studies/gptq_variants.py``).
 
 Hand rules (GPTQ with the default settings, one bits rule each): every group 4-bit (W4), the minicpm4 layers at
 8 bits, all attention at 8 bits (the ``gptq-w4-mlp-w8-attn`` recipe), every down_proj at 8 bits, the lightning
@@ -10,7 +10,7 @@ The search's one free setting, how many calibration windows of 512 tokens it mea
 validation text by one rule fixed in advance (the least validation KL at the size of the minicpm4 rule, among 4,
 8 and 16 windows); the held-out windows only confirm. Rows are cached in ``OUT/rows`` (``--resume``).
 
-  python benchmarks/budget.py --out OUT [--resume] [--only NAME ...]
+  python benchmarks/studies/budget.py --out OUT [--resume] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gptq_variants import TextSet, paired, scoring_arguments, scoring_sets, slug, source_state
-from quality import CALIB, MODEL, _quiet
 from rich.console import Console
 from rich.table import Table
+from scoring import CALIB, MODEL, TextSet, paired, quiet, scoring_arguments, scoring_sets, slug, source_state
 
 from salaquant.budget.size import fixed_bytes, linear_weights
 from salaquant.calibration.calib_data import CalibOptions
@@ -68,7 +67,7 @@ def run_row(name: str, bits: BitsOptions, args: argparse.Namespace, sets: list[T
     run = RunOptions(device="cpu", show_progress=False, overwrite=True)
     row: dict[str, Any] = {"variant": name, "budget": bits.budget, "budget_windows": bits.budget_windows}
     t0 = time.perf_counter()
-    run_gptq(MODEL, export, [str(CALIB)], calib, bits, GPTQLayerOptions(), run, _quiet())
+    run_gptq(MODEL, export, [str(CALIB)], calib, bits, GPTQLayerOptions(), run, quiet())
     row["quantize_s"] = round(time.perf_counter() - t0, 1)
     row["bytes"] = tensor_bytes(export)
     report = json.loads((export / "quant_report.json").read_text())

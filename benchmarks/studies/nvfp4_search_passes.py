@@ -2,7 +2,8 @@
 FP8 value the factors reach (what ``search_block_scales`` runs when the factors are fine enough). Prints both
 times, their ratio, the number of passes and whether the chosen scales are identical.
 
-  python benchmarks/nvfp4_search_passes.py [--out 2048] [--in 4096] [--device cpu|cuda] [--iters 80] [--max-shrink 0.6]
+  python benchmarks/studies/nvfp4_search_passes.py [--out 2048] [--in 4096] [--device cpu|cuda] [--iters 80]
+      [--max-shrink 0.6]
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 
 import torch
 
-from salaquant.nvfp4 import numerics as nv
+from salaquant.formats.modelopt_nvfp4 import numerics as nv
+from salaquant.nvfp4 import search
 
 
 def _timed(fn, device: torch.device) -> tuple[float, tuple[torch.Tensor, ...]]:
@@ -40,16 +42,16 @@ def main() -> None:
     w = torch.randn(args.out, args.inp, generator=gen) * torch.exp(torch.randn(args.out, args.inp, generator=gen))
     w = (w * 0.01).to(device)
     imp = torch.rand(args.inp, generator=gen).to(device)
-    s2 = nv._scalar_scale(nv.global_scale(w.abs().amax()), device)
-    wb = nv._blocks(w)
-    raw = nv._raw_block_scales(wb.abs().amax(dim=-1), s2)
+    s2 = nv.scalar_scale(nv.global_scale(w.abs().amax()), device)
+    wb = nv.weight_blocks(w)
+    raw = nv.raw_block_scales(wb.abs().amax(dim=-1), s2)
     impb = imp.reshape(1, -1, nv.BLOCK)
-    factors = nv.shrink_factors(args.iters, args.max_shrink)
-    nv._search_fp8_values(wb[:8], raw[:8], impb, s2, factors[-1])  # warm-up (allocator, kernels)
-    t_factors, a = _timed(lambda: nv._search_factors(wb, raw, impb, s2, factors), device)
-    t_values, b = _timed(lambda: nv._search_fp8_values(wb, raw, impb, s2, factors[-1]), device)
-    hi = nv._round_block_scales(raw).view(torch.uint8).int()
-    lo = nv._round_block_scales(raw * factors[-1]).view(torch.uint8).int()
+    factors = search.shrink_factors(args.iters, args.max_shrink)
+    search._search_fp8_values(wb[:8], raw[:8], impb, s2, factors[-1])  # warm-up (allocator, kernels)
+    t_factors, a = _timed(lambda: search._search_factors(wb, raw, impb, s2, factors), device)
+    t_values, b = _timed(lambda: search._search_fp8_values(wb, raw, impb, s2, factors[-1]), device)
+    hi = nv.round_block_scales(raw).view(torch.uint8).int()
+    lo = nv.round_block_scales(raw * factors[-1]).view(torch.uint8).int()
     print(
         json.dumps(
             {

@@ -4,7 +4,7 @@ Every variant goes through ``salaquant nvfp4`` (calibration engine, export, chec
 by the project's loader (weights dequantized; activations stay bf16, i.e. the weight-only FP4 path Hopper
 GPUs serve) and scored on the first 16 x 1024 held-out tokens, dense attention, CPU.
 
-  python benchmarks/nvfp4_tiny.py --out OUT [--max-samples 32 --max-len 2048]
+  python benchmarks/studies/nvfp4_tiny.py --out OUT [--max-samples 32 --max-len 2048]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from tiny_quality import CALIB, MODEL, Variant, run_benchmark
+from scoring import CALIB, MODEL, Variant, run_benchmark
 
 from salaquant.calibration.calib_data import CalibOptions
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
@@ -30,7 +30,7 @@ OPTIONS: dict[str, tuple[NVFP4LayerOptions, bool]] = {
 def variant(opts: NVFP4LayerOptions, dense_all: bool):
     def quantize(out: Path, calib: CalibOptions, console: Console) -> object:
         run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
-        return run_nvfp4(MODEL, out, [CALIB], calib, opts, run, console)
+        return run_nvfp4(MODEL, out, [str(CALIB)], calib, opts, run, console)
 
     return quantize
 

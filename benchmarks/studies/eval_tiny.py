@@ -1,6 +1,6 @@
 """Held-out perplexity and greedy samples of the shipped tiny model on the CPU (the README figures).
 
-python benchmarks/eval_tiny.py [--model models/sala-tiny]
+python benchmarks/studies/eval_tiny.py [--model models/sala-tiny]
 """
 
 from __future__ import annotations

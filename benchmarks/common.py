@@ -1,0 +1,64 @@
+"""What the benchmarks share: the repository's paths (shipped models, calibration sample), where a benchmark's JSON
+goes, the shape benchmarks' arguments and the calibration pass's FLOP count.
+
+Every script in ``benchmarks/`` runs as ``python benchmarks/NAME.py`` (this folder on ``sys.path``); the studies in
+``benchmarks/studies/`` reach this module through ``studies/scoring.py``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from salaquant.model.config import LIGHTNING, SalaConfig
+from salaquant.model.layout import input_groups, layer_linears
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "sala-tiny"
+SMALL = ROOT / "models" / "sala-small"
+CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
+"""The shipped calibration sample (sala-tiny's tokenizer; sala-small shares it)."""
+
+
+def quiet() -> Console:
+    """A console that prints nothing (the quantizers' progress inside a benchmark)."""
+    return Console(quiet=True)
+
+
+def write_results(out: Path, default_name: str, payload: object, indent: int | None = 2) -> Path:
+    """Write ``payload`` as JSON to ``out`` (a ``.json`` path) or to ``out / default_name``; returns the path."""
+    path = out if out.suffix == ".json" else out / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=indent))
+    print(f"wrote {path}")
+    return path
+
+
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark at a model preset's shape: ``--out``, ``--preset`` (default ``full``, the
+    published shape) and ``--device``; the description is the first paragraph of ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--device", default="cuda")
+    return ap
+
+
+def work_flops(cfg: SalaConfig, lengths: list[int], hessian: bool) -> dict[str, float]:
+    """FLOPs of the forward pass plus the X^T X products for the given sample lengths (one pass)."""
+    linear = attn = hess = 0.0
+    for kind in cfg.mixer_types:
+        specs = {s.name: s for s in layer_linears(cfg, kind)}
+        per_token = sum(2 * s.out_features * s.in_features for s in specs.values())
+        dims = [specs[g.members[0]].in_features for g in input_groups(cfg, kind)]
+        for t in lengths:
+            linear += per_token * t
+            if hessian:
+                hess += sum(2 * t * d * d for d in dims)
+            if kind == LIGHTNING:  # chunked GLA: ~4 matmuls of [64 x D] per token and head
+                attn += t * cfg.lightning_nh * 4 * 2 * 64 * cfg.lightning_head_dim
+            else:  # causal softmax attention: QK^T and PV over half the square
+                attn += 2 * 2 * t * t / 2 * cfg.num_attention_heads * cfg.head_dim
+    return {"linear": linear, "attention": attn, "hessian": hess, "total": linear + attn + hess}
