@@ -23,7 +23,6 @@ two swap roles from layer to layer.)
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -46,29 +45,29 @@ from ..io.reader import CheckpointReader
 from ..io.safetensors_stream import write_safetensors
 from ..model.cache import LightningLayerCache, SparseLayerCache
 from ..model.config import LIGHTNING, SalaConfig
-from ..model.layout import InputGroup, global_parameter_shapes, input_groups
+from ..model.layout import global_parameter_shapes, input_groups
 from ..model.loading import load_global, load_layer
 from ..model.modeling import DecoderLayer, layer_rope
 from ..runtime.load import use_layer_kernels
-from ..work_folder import ResumeError
 from . import host_memory
 from .calib_data import samples_fingerprint
+from .collector import GroupCollector
 from .contract import EngineOptions, EngineResult, LayerQuantizer, LayerResult, Observer
 from .distributed import (
     SINGLE,
     Ranks,
     barrier,
-    broadcast_object,
     combine,
     device_for,
     gather_object,
     same_everywhere,
     shard_tokens,
 )
-from .fingerprint import differences, model_fingerprint
+from .fingerprint import model_fingerprint
 from .host_memory import empty_pinned_cache
+from .resume_state import ResumeState
 from .shards import LEAVES, TreeSum, split_leaves
-from .stats import GroupStats, LayerStats
+from .stats import LayerStats
 
 log = logging.getLogger("salaquant.calibration.engine")
 
@@ -84,51 +83,6 @@ CPU a layer takes far longer than writing its hidden states (the shipped model: 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     atomic_write(path, lambda tmp: write_safetensors(tensors, tmp))
-
-
-class _GroupCollector:
-    """Forward pre-hooks on the first member of each input group of one layer, feeding the statistics of the
-    current leaf of samples (`next_leaf` starts a new one and returns the finished one)."""
-
-    def __init__(self, layer: DecoderLayer, groups: list[InputGroup], device: torch.device, opts: EngineOptions):
-        self.dims: dict[str, int] = {}
-        self.handles = []
-        self.device = device
-        self.dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
-        self.hessian = opts.hessian
-        self.sums = tuple(opts.hessian_sums)
-        for g in groups:
-            module = layer.get_submodule(g.members[0])
-            assert isinstance(module, nn.Linear)
-            self.dims[g.name] = module.in_features
-            self.handles.append(module.register_forward_pre_hook(self._hook(g.name)))
-        self.stats = self.empty()
-
-    def empty(self) -> LayerStats:
-        return {
-            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums)
-            for name, d in self.dims.items()
-        }
-
-    def _hook(self, name: str):
-        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            self.stats[name].update(args[0])
-
-        return hook
-
-    def end_sample(self) -> None:
-        for st in self.stats.values():
-            st.end_sample()
-
-    def next_leaf(self) -> LayerStats:
-        done, self.stats = self.stats, self.empty()
-        for st in done.values():
-            st.close()
-        return done
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def _merge_by_name(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
@@ -179,23 +133,18 @@ class CalibrationEngine:
         self._leaf_rows = [range(e - len(leaf), e) for leaf, e in zip(self.own_leaves, ends, strict=True)]  # in own
         self.settings = settings or {}
         # what a resumed run must share with the run it continues (recorded in state.json, to name what differs)
-        self.inputs: dict[str, Any] = json.loads(
-            json.dumps(
-                {
-                    "model": model_fingerprint(self.reader),
-                    "data": samples_fingerprint(self.samples),
-                    "engine": self.opts.fingerprint_fields(),
-                    "leaves": LEAVES,
-                    "settings": self.settings,
-                    "salaquant": __version__,
-                },
-                default=str,
-            )
-        )
-        self.fingerprint = hashlib.sha256(json.dumps(self.inputs, sort_keys=True).encode()).hexdigest()
+        inputs = {
+            "model": model_fingerprint(self.reader),
+            "data": samples_fingerprint(self.samples),
+            "engine": self.opts.fingerprint_fields(),
+            "leaves": LEAVES,
+            "settings": self.settings,
+            "salaquant": __version__,
+        }
+        self.state = ResumeState(self.work_dir, self.reader, inputs, self.config.num_hidden_layers, self.resume_every)
+        self.fingerprint = self.state.fingerprint
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
         same_everywhere(self.fingerprint, ranks, "the model, calibration data or settings")
-        self._digests: dict[str, str] = {}  # tensor -> digest of what this run (and the runs it resumes) read
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
         self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs of ``own``, after run()
 
@@ -245,77 +194,6 @@ class CalibrationEngine:
         if message is not None:
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    # ------------------------------------------------------------------ state
-    def _state_path(self) -> Path:
-        return self.work_dir / "state.json"
-
-    def _resume_point(self, resume: bool) -> int:
-        """`_read_state` on rank 0 (the content check reads the whole checkpoint once), its answer or its refusal
-        on every process."""
-        answer: tuple[int, str | None] = (0, None)
-        if self.ranks.main:
-            try:
-                answer = (self._read_state(resume), None)
-            except ResumeError as exc:
-                answer = (0, str(exc))
-        finished, refusal = broadcast_object(answer, self.ranks)
-        if refusal is not None:
-            raise ResumeError(refusal)
-        return finished
-
-    def _read_state(self, resume: bool) -> int:
-        """Number of finished layers in the work folder (0 for a fresh run). A resumed run first checks that the
-        checkpoint still holds, byte for byte, every tensor the finished layers were computed from."""
-        path = self._state_path()
-        if not path.exists():
-            return 0
-        state = json.loads(path.read_text())
-        if not resume:
-            raise ResumeError(
-                f"{self.work_dir} holds an unfinished run ({state.get('finished', 0)} of "
-                f"{state.get('num_layers')} layers done): rerun with --resume to continue it, or with --overwrite to "
-                "discard it and start over"
-            )
-        if state.get("fingerprint") != self.fingerprint:
-            raise ResumeError(
-                f"{self.work_dir} does not match this run (fingerprint mismatch): it was written with "
-                f"{differences(state.get('inputs'), self.inputs)}; to continue it, rerun with what it was written "
-                "with; to discard it and start over, rerun with --overwrite instead of --resume"
-            )
-        digests: dict[str, str] = state.get("tensors", {})
-        log.info("resume: checking the content of %d tensors read by the finished layers", len(digests))
-        for name, digest in digests.items():
-            if name not in self.reader or self.reader.digest(name) != digest:
-                raise ResumeError(
-                    f"{self.work_dir} was computed from a different checkpoint: tensor {name} in "
-                    f"{self.reader.path} is not the one the finished layers read (content fingerprint mismatch): "
-                    "to continue it, rerun with the checkpoint it was computed from; to discard it and start over, "
-                    "rerun with --overwrite instead of --resume"
-                )
-        self.reader.close()
-        self._digests = dict(digests)
-        return int(state["finished"])
-
-    def _record_digests(self, prefix: str) -> None:
-        """Digests of the tensors whose names start with ``prefix`` (read from the page cache: just loaded)."""
-        for name in self.reader:
-            if name.startswith(prefix) and name not in self._digests:
-                self._digests[name] = self.reader.digest(name)
-
-    def _write_state(self, finished: int) -> None:
-        atomic_json(
-            {
-                "fingerprint": self.fingerprint,
-                "inputs": self.inputs,
-                "finished": finished,
-                "num_layers": self.config.num_hidden_layers,
-                "resume_every": self.resume_every,
-                "settings": self.settings,
-                "tensors": self._digests,
-            },
-            self._state_path(),
-        )
 
     # ------------------------------------------------------------------ compute
     @torch.no_grad()
@@ -414,7 +292,7 @@ class CalibrationEngine:
         n_layers = cfg.num_hidden_layers
         total_tokens = sum(s.numel() for s in self.samples)
         own_tokens = self.rank_tokens[self.ranks.rank]
-        finished = self._resume_point(resume)
+        finished = self.state.resume_point(resume, self.ranks)
         timings = {"embed": 0.0, "load": 0.0, "stats_forward": 0.0, "quantize": 0.0, "propagate": 0.0, "save": 0.0}
         if self.ranks.parallel:
             timings["communicate"] = 0.0
@@ -438,7 +316,7 @@ class CalibrationEngine:
         if finished == 0:
             hs = self._embed()
             if self.ranks.main:
-                self._write_state(0)
+                self.state.write(0)
         else:
             hs = self._load_hidden()
         timings["embed"] += time.perf_counter() - t0
@@ -471,7 +349,7 @@ class CalibrationEngine:
                     barrier(self.ranks)
                     timings["communicate"] += time.perf_counter() - t1
                     if self.ranks.main:
-                        self._write_state(i + 1)
+                        self.state.write(i + 1)
                 timings["save"] += time.perf_counter() - t0
                 progress.layer_done(
                     i, ", a resume point" if self.resume_every > 1 and self._resume_point_after(i) else ""
@@ -536,7 +414,7 @@ class CalibrationEngine:
         need_stats = quantizer is not None or self.opts.hessian
 
         t0 = time.perf_counter()
-        collector = _GroupCollector(layer, groups, self.device, self.opts) if need_stats else None
+        collector = GroupCollector(layer, groups, self.device, self.opts) if need_stats else None
         keep_float = self.opts.propagate == "float" or quantizer is None
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
@@ -645,14 +523,14 @@ class CalibrationEngine:
         tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
         if self.ranks.main:
             for prefix in (*global_parameter_shapes(self.config), f"model.layers.{i}."):
-                self._record_digests(prefix)
+                self.state.record_digests(prefix)
             if files is not None:
                 _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
                 atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
         if self._resume_point_after(i):
             self._save_hidden(hs)
             if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
-                self._write_state(i + 1)
+                self.state.write(i + 1)
 
     def _resume_point_after(self, i: int) -> bool:
         return (i + 1) % self.resume_every == 0 or i + 1 == self.config.num_hidden_layers
