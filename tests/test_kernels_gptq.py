@@ -72,6 +72,45 @@ def test_kernel_rounds_half_to_even() -> None:
     assert torch.equal(codes, _sweep("reference", w, scale, hinv, 0, c)[1])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("r", "c", "start", "stop"), [(37, 48, 0, 48), (20, 64, 16, 48)])
+def test_e2m1_kernel_equals_reference(r: int, c: int, start: int, stop: int) -> None:
+    """NVFP4's grid: the kernel writes the reference's codes, errors and updated weights bit for bit, with per-column
+    steps as the NVFP4 solver passes them (block scale times global scale, 16 columns each)."""
+    g = torch.Generator().manual_seed(torch.initial_seed() + r + c)
+    w = torch.randn(r, c, generator=g) * torch.exp(torch.randn(r, c, generator=g)) * 0.02
+    steps = (w.abs().reshape(r, c // 16, 16).amax(-1) / 6).repeat_interleave(16, dim=1).contiguous()
+    hinv = _hinv(c, g)
+    outs = []
+    for backend in ("triton", "reference"):
+        w1, codes, err = w.clone(), torch.full(w.shape, -7, dtype=torch.int32), torch.full_like(w, 123.0)
+        gptq_columns(w1, codes, err, steps, hinv, start, stop, 0, 0, backend=backend, e2m1=True)
+        outs.append((w1, codes, err))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    codes = outs[0][1]
+    assert int(codes[:, start:stop].min()) >= 0 and int(codes[:, start:stop].max()) <= 15
+    assert torch.equal(codes[:, :start], torch.full_like(codes[:, :start], -7))
+
+
+@pytest.mark.interpreter
+def test_e2m1_kernel_rounds_as_the_format() -> None:
+    """Ratios on every E2M1 midpoint (ties go to the even index: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 ->
+    2, 3.5 -> 4, 5 -> 4), just off them, negative ones rounding to zero (code 8) and saturation at 6 give the codes
+    of ``numerics.e2m1_codes``, which is tested bit for bit against ModelOpt."""
+    from salaquant.formats.modelopt_nvfp4.numerics import e2m1_codes
+
+    ratios = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.2500001, 0.7499999, -0.25, -0.1, -5.0, 7.0, -100.0, 0.0, 6.0]
+    )
+    w = ratios[None, :].repeat(3, 1) * 0.125
+    steps = torch.full((3, 16), 0.125)
+    codes = torch.zeros(3, 16, dtype=torch.int32)
+    gptq_columns(w.clone(), codes, torch.zeros_like(w), steps, torch.eye(16), 0, 16, 0, 0, "triton", e2m1=True)
+    assert torch.equal(codes[0], e2m1_codes(ratios).to(torch.int32))
+    assert codes[0].tolist()[:7] == [0, 2, 2, 4, 4, 6, 6]
+
+
 def test_reference_is_the_column_recursion() -> None:
     """The reference against the recursion written out by hand for a 2 x 3 block."""
     w = torch.tensor([[0.30, -0.11, 0.52], [0.05, 0.21, -0.40]])

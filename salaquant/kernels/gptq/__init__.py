@@ -56,19 +56,20 @@ def gptq_columns(
     zero: int,
     maxq: int,
     backend: str = "auto",
+    e2m1: bool = False,
 ) -> None:
-    """Quantize columns ``start .. stop - 1`` of the block ``w1 [R, C]`` in order, in place (see
-    ``reference.gptq_columns_reference`` for the exact arithmetic)."""
+    """Quantize columns ``start .. stop - 1`` of the block ``w1 [R, C]`` in order, in place, on the integer grid
+    or (``e2m1``) NVFP4's (see ``reference.gptq_columns_reference`` for the exact arithmetic)."""
     _check(w1, codes, err, scale, hinv1)
     if not _use_triton(backend, w1, MAX_COLUMNS):
-        gptq_columns_reference(w1, codes, err, scale, hinv1, start, stop, zero, maxq)
+        gptq_columns_reference(w1, codes, err, scale, hinv1, start, stop, zero, maxq, e2m1)
         return
     for t in (w1, codes, err, hinv1, scale):
         if t.stride(-1) != 1:
             raise ValueError("every operand needs unit stride along its last dimension")
     from .triton_kernels import gptq_columns_triton
 
-    gptq_columns_triton(w1, codes, err, scale, hinv1, start, stop, zero, maxq)
+    gptq_columns_triton(w1, codes, err, scale, hinv1, start, stop, zero, maxq, e2m1)
 
 
 SEARCH_BATCH_ELEMENTS = 1 << 20

@@ -10,11 +10,17 @@ along row ``j`` of ``hinv1``::
     w_k  -= e_j * hinv1[j, k]        for k >= j
 
 The scaled errors ``e_j`` are what the caller applies to the columns after the block in one matrix product.
+
+With ``e2m1`` the grid is NVFP4's instead: ``q_j`` is the E2M1 code of ``w_j / s_j`` (nearest magnitude of
+0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to even, saturating; ``sign << 3 | index``) and its value times ``s_j`` replaces
+``(q_j - zero) * s_j``; ``s_j`` is then the block scale times the global scale.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ...formats.modelopt_nvfp4.numerics import e2m1_codes, e2m1_values
 
 
 def gptq_columns_reference(
@@ -27,14 +33,20 @@ def gptq_columns_reference(
     stop: int,
     zero: int,
     maxq: int,
+    e2m1: bool = False,
 ) -> None:
     """Columns ``start .. stop - 1`` of the block, in place: ``codes`` (int32 ``[R, C]``) and ``err`` (``[R, C]``)
     receive those columns; ``w1`` is updated on columns ``>= start``. ``scale`` is ``[R]`` (one scale per row
-    for every column of the range) or ``[R, C]`` (a scale per row and column); same dtype as ``w1``."""
+    for every column of the range) or ``[R, C]`` (a scale per row and column); same dtype as ``w1``. ``e2m1``:
+    NVFP4's grid (``zero`` and ``maxq`` unused)."""
     for j in range(start, stop):
         s = scale if scale.dim() == 1 else scale[:, j]
-        q = (torch.round(w1[:, j] / s) + zero).clamp(0, maxq)
-        e = (w1[:, j] - (q - zero) * s) / hinv1[j, j]
+        if e2m1:
+            q = e2m1_codes(w1[:, j] / s)
+            e = (w1[:, j] - e2m1_values(q).to(w1.dtype) * s) / hinv1[j, j]
+        else:
+            q = (torch.round(w1[:, j] / s) + zero).clamp(0, maxq)
+            e = (w1[:, j] - (q - zero) * s) / hinv1[j, j]
         w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
         codes[:, j] = q.to(torch.int32)
         err[:, j] = e

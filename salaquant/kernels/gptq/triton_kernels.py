@@ -1,5 +1,5 @@
-"""Triton kernels of the GPTQ column sweep and of the clipped-scale search (see ``reference.py`` for both
-definitions).
+"""Triton kernels of the GPTQ column sweep (on the integer grid or NVFP4's E2M1 grid) and of the clipped-scale
+search (see ``reference.py`` for the definitions).
 
 One program owns ``BLOCK_R`` rows of the block and keeps their ``[BLOCK_R, BLOCK_C]`` weights, codes and errors
 in registers while it walks the columns in order, so a block costs one launch instead of several per column.
@@ -28,6 +28,27 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _e2m1(x):
+    """E2M1 code (``sign << 3 | index``) and value of ``x``: the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 in
+    magnitude, ties to the even index, saturating at 6 (``numerics.e2m1_codes``); a negative ``x`` keeps its sign
+    even when it rounds to zero."""
+    m = tl.abs(x)
+    idx = (
+        (m > 0.25).to(tl.int32)
+        + (m >= 0.75).to(tl.int32)
+        + (m > 1.25).to(tl.int32)
+        + (m >= 1.75).to(tl.int32)
+        + (m > 2.5).to(tl.int32)
+        + (m >= 3.5).to(tl.int32)
+        + (m > 5.0).to(tl.int32)
+    )
+    value = tl.where(idx < 4, idx.to(tl.float32) * 0.5, tl.where(idx == 4, 2.0, tl.where(idx == 5, 3.0, 4.0)))
+    value = tl.where(idx == 7, 6.0, value)
+    negative = x < 0.0
+    return tl.where(negative, idx + 8, idx), tl.where(negative, -value, value)
+
+
+@triton.jit
 def _gptq_columns_kernel(
     W,
     Q,
@@ -46,6 +67,7 @@ def _gptq_columns_kernel(
     zero,
     maxq,
     PER_COLUMN: tl.constexpr,
+    E2M1: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -67,12 +89,17 @@ def _gptq_columns_kernel(
             sj = tl.sum(tl.where(sel, s_tile, 0.0), axis=1)
         else:
             sj = s_row
-        q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(wj, sj)) + zero, 0.0), maxq)
         d = tl.load(H + j * stride_h + j)
-        e = tl.math.div_rn(wj - (q - zero) * sj, d)
+        if E2M1:
+            code, value = _e2m1(tl.math.div_rn(wj, sj))
+            e = tl.math.div_rn(wj - value * sj, d)
+        else:
+            q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(wj, sj)) + zero, 0.0), maxq)
+            code = q.to(tl.int32)
+            e = tl.math.div_rn(wj - (q - zero) * sj, d)
         hrow = tl.load(H + j * stride_h + cols, mask=(cols >= j) & (cols < C), other=0.0)
         w = w - e[:, None] * hrow[None, :]
-        q_tile = tl.where(sel, q.to(tl.int32)[:, None], q_tile)
+        q_tile = tl.where(sel, code[:, None], q_tile)
         e_tile = tl.where(sel, e[:, None], e_tile)
     done = tile & (cols[None, :] >= start) & (cols[None, :] < stop)
     tl.store(Q + rows[:, None] * stride_q + cols[None, :], q_tile, mask=done)
@@ -90,6 +117,7 @@ def gptq_columns_triton(
     stop: int,
     zero: int,
     maxq: int,
+    e2m1: bool = False,
 ) -> None:
     r, c = w1.shape
     if stop <= start or r == 0:
@@ -113,6 +141,7 @@ def gptq_columns_triton(
         float(zero),
         float(maxq),
         PER_COLUMN=scale.dim() == 2,
+        E2M1=e2m1,
         BLOCK_R=BLOCK_R,
         BLOCK_C=max(16, next_power_of_2(c)),
         num_warps=4,
