@@ -40,7 +40,8 @@ MODEL = ROOT / "models" / "sala-tiny"
 CALIB = [str(ROOT / "calib" / "sala-tiny-calib.jsonl")]
 QUIET = Console(quiet=True)
 SMALL = CalibOptions(max_samples=2, max_len=128)
-KINDS = ("bf16", "gptq", "gptq_mixed", "gptq_exclude", "gptq_budget", "nvfp4", "nvfp4_dense_all", "nvfp4_budget")
+KINDS = ("bf16", "gptq", "gptq_mixed", "gptq_exclude", "gptq_budget")
+KINDS += ("nvfp4", "nvfp4_dense_all", "nvfp4_budget", "nvfp4_gptq")
 # SGLang's fused linears and the checkpoint linears they hold, in the order they are stacked.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_OF = {m: fused for fused, members in FUSED.items() for m in members}
@@ -53,9 +54,9 @@ def _gptq(out: Path, bits: BitsOptions) -> Path:
     return run_gptq(MODEL, out, CALIB, SMALL, bits, GPTQLayerOptions(), run, QUIET)
 
 
-def _nvfp4(out: Path, dense_all: bool, budget: str | None = None) -> Path:
+def _nvfp4(out: Path, dense_all: bool, budget: str | None = None, rounding: str = "nearest") -> Path:
     run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=dense_all, budget=budget, budget_seq_len=64)
-    return run_nvfp4(MODEL, out, CALIB, SMALL, NVFP4LayerOptions(mse_iters=8), run, QUIET)
+    return run_nvfp4(MODEL, out, CALIB, SMALL, NVFP4LayerOptions(mse_iters=8, rounding=rounding), run, QUIET)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "nvfp4": _nvfp4(root / "nvfp4", dense_all=False),
         "nvfp4_dense_all": _nvfp4(root / "nvfp4_dense", dense_all=True),
         "nvfp4_budget": _nvfp4(root / "nvfp4_budget", dense_all=False, budget="6bits"),
+        "nvfp4_gptq": _nvfp4(root / "nvfp4_gptq", dense_all=True, rounding="gptq"),
     }
 
 

@@ -25,6 +25,7 @@ class GroupCollector:
         self.dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
         self.hessian = opts.hessian
         self.sums = tuple(opts.hessian_sums)
+        self.fp4_noise = opts.fp4_noise
         for g in groups:
             module = layer.get_submodule(g.members[0])
             assert isinstance(module, nn.Linear)
@@ -34,7 +35,9 @@ class GroupCollector:
 
     def empty(self) -> LayerStats:
         return {
-            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums)
+            name: GroupStats(
+                d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums, fp4_noise=self.fp4_noise
+            )
             for name, d in self.dims.items()
         }
 

@@ -198,6 +198,16 @@ def nvfp4_command(
     input_scale: Annotated[
         str, typer.Option(help="Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower).")
     ] = _NVFP4.nvfp4.input_scale,
+    rounding: Annotated[
+        str, typer.Option(help="nearest, or gptq (error feedback over the input Hessian; slower calibration).")
+    ] = _NVFP4.nvfp4.rounding,
+    static_scales: Annotated[
+        bool,
+        typer.Option("--static-scales/--sweep-scales", help="gptq: block scales before the sweep, or as it goes."),
+    ] = _NVFP4.nvfp4.static_scales,
+    activation_aware: Annotated[
+        bool, typer.Option(help="gptq: round for W4A4, with the FP4 activation noise in the objective.")
+    ] = _NVFP4.nvfp4.activation_aware,
     smooth_alpha: SmoothAlpha = _NVFP4.smoothing.alpha,
     no_smooth: NoSmooth = not SMOOTH_BY_DEFAULT["nvfp4"],
     propagate: Propagate = _NVFP4.engine.propagate,
@@ -208,7 +218,8 @@ def nvfp4_command(
     resume: Resume = False,
     overwrite: Overwrite = False,
 ) -> None:
-    """SmoothQuant + block-scale search NVFP4, exported in ModelOpt's format for SGLang / vLLM modelopt_fp4."""
+    """SmoothQuant + block-scale search NVFP4 (GPTQ rounding with --rounding gptq), in ModelOpt's format for
+    SGLang / vLLM modelopt_fp4."""
     recipe = {
         "method": "nvfp4",
         "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field),
@@ -220,6 +231,9 @@ def nvfp4_command(
             "mse_iters": mse_iters,
             "mse_max_shrink": mse_max_shrink,
             "input_scale": input_scale,
+            "rounding": rounding,
+            "static_scales": static_scales,
+            "activation_aware": activation_aware,
         },
         "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
         "export": {"shard_size": shard_size},

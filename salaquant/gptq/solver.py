@@ -183,7 +183,7 @@ def rtn(weight: torch.Tensor, config: GPTQConfig | None = None) -> QuantizedWeig
     return QuantizedWeight(codes, scales, zero, g_idx.to(w.device), config.bits, config.group_size)
 
 
-def _inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
+def inverse_cholesky(h: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, raising ``damp`` until it succeeds."""
     mean_diag = torch.diag(h).mean()
     step = 0
@@ -241,7 +241,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig | None 
         w, h = w[:, perm], h[perm][:, perm]
         col_group, invperm = (perm // gs).tolist(), torch.argsort(perm)
 
-    hinv, damp = _inverse_cholesky(h, config)
+    hinv, damp = inverse_cholesky(h, config)
     hinv = hinv.contiguous()  # row-major: the column sweep reads rows of it
     codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
     maxq = 2**bits - 1

@@ -1,8 +1,10 @@
-"""``salaquant nvfp4``: calibration -> 3-group SmoothQuant -> block-scale search -> ModelOpt NVFP4 export -> check."""
+"""``salaquant nvfp4``: calibration -> 3-group SmoothQuant -> block-scale search (and GPTQ rounding if asked) ->
+ModelOpt NVFP4 export -> check."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from ..model.config import SalaConfig
 from ..settings import defaults
 from ..summary import summarize
 from .budget import nvfp4_probe, nvfp4_units, plan_of
-from .layer import NVFP4LayerOptions, NVFP4LayerQuantizer
+from .layer import HESSIAN_SUM, NVFP4LayerOptions, NVFP4LayerQuantizer
 from .plan import NVFP4Plan, NVFP4PlanError, build_nvfp4_plan
 
 _DEFAULTS = defaults("nvfp4")
@@ -41,22 +43,28 @@ class NVFP4RunOptions(Execution):
 
 
 def _summary(reports: list[dict[str, Any]]) -> tuple[Table, dict[str, dict[str, float]]]:
-    acc: dict[str, list[tuple[float, float, float]]] = {}
+    """Mean relative errors per linear kind: diag-H weighted (searched and plain scales) and, with GPTQ rounding,
+    under the full Hessian (GPTQ's and rounding to nearest under the same scales)."""
+    keys = ("rel_err", "rel_err_plain_scales", "seconds", "hessian_rel_err", "hessian_rel_err_nearest")
+    acc: dict[str, list[list[float]]] = {}
     for rep in reports:
         for name, lin in rep.get("linears", {}).items():
             if lin.get("format") == "nvfp4":
-                acc.setdefault(f"{rep['kind']} {name}", []).append(
-                    (lin["rel_err"], lin["rel_err_plain_scales"], lin["seconds"])
-                )
-    table = Table(title="Relative weighted error (diag-H) on the calibration inputs, mean over layers")
-    for col in ("linear", "layers", "searched", "plain scales", "ratio", "search s"):
+                acc.setdefault(f"{rep['kind']} {name}", []).append([lin.get(k, math.nan) for k in keys])
+    gptq = any(not math.isnan(v[3]) for vs in acc.values() for v in vs)
+    table = Table(title="Relative weighted error on the calibration inputs, mean over layers")
+    cols = ["linear", "layers", "diag-H searched", "plain scales", "ratio", "seconds"]
+    cols += ["full-H gptq", "nearest", "ratio"] if gptq else []
+    for col in cols:
         table.add_column(col, justify="left" if col == "linear" else "right")
     out: dict[str, dict[str, float]] = {}
     for key in sorted(acc):
         n = len(acc[key])
-        a, b, t = (sum(v[k] for v in acc[key]) / n for k in range(3))
-        out[key] = {"searched": a, "plain": b}
-        table.add_row(key, str(n), f"{a:.3e}", f"{b:.3e}", f"{a / b:.3f}" if b else "-", f"{t:.3f}")
+        a, b, t, hg, hn = (sum(v[k] for v in acc[key]) / n for k in range(len(keys)))
+        out[key] = {"searched": a, "plain": b} | ({"hessian_gptq": hg, "hessian_nearest": hn} if gptq else {})
+        row = [key, str(n), f"{a:.3e}", f"{b:.3e}", f"{a / b:.3f}" if b else "-", f"{t:.3f}"]
+        row += [f"{hg:.3e}", f"{hn:.3e}", f"{hg / hn:.3f}" if hn else "-"] if gptq else []
+        table.add_row(*row)
     return table, out
 
 
@@ -109,6 +117,9 @@ class NVFP4Method:
         }
 
     def statistics(self) -> dict[str, Any]:
+        if self.layer.needs_hessian:  # GPTQ rounding: the one Hessian sum it solves with
+            sums = {"hessian": True, "hessian_dtype": "fp32", "hessian_sums": (HESSIAN_SUM,)}
+            return sums | ({"fp4_noise": True} if self.layer.activation_aware else {})
         return {"hessian": False}
 
     def quantizer(self, config: SalaConfig, total_tokens: int, ranks: Ranks) -> NVFP4LayerQuantizer:

@@ -22,20 +22,25 @@ from torch import nn
 
 from ..calibration.contract import LayerResult
 from ..calibration.distributed import SINGLE, Ranks, spread
-from ..calibration.stats import LayerStats
+from ..calibration.stats import GroupStats, LayerStats
 from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantize_nvfp4
+from ..gptq.solver import relative_output_error
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
 from ..serving import PLAIN_DTYPE
 from ..settings import defaults, smoothing_for
-from ..smooth.fold import fold_scales, smooth_scales, smoothable
+from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
+from .gptq import gptq_nvfp4
 from .input_scale import INPUT_SCALE_RULES, InputScaleSearch, search_stride
 from .plan import NVFP4Plan
 from .search import search_block_scales
 
 _DEFAULTS = defaults("nvfp4")
 _SMOOTH = smoothing_for(_DEFAULTS)
+ROUNDINGS = ("nearest", "gptq")
+HESSIAN_SUM = "samples"
+"""The input Hessian GPTQ rounding solves with: every calibration sample weighs the same (GPTQ's default)."""
 _TINY = torch.finfo(torch.float32).tiny  # an all-zero weight gets a positive global scale, not 0/0 block scales
 
 
@@ -48,6 +53,13 @@ class NVFP4LayerOptions:
     smooth_alpha: float | None = _SMOOTH[0]  # None: no smoothing
     smooth_groups: tuple[str, ...] = _SMOOTH[1]
     input_scale: str = _DEFAULTS.nvfp4.input_scale  # "max" (ModelOpt's rule) or "mse"
+    rounding: str = _DEFAULTS.nvfp4.rounding  # "nearest" or "gptq" (column sweep with error feedback, ``gptq.py``)
+    static_scales: bool = _DEFAULTS.nvfp4.static_scales  # gptq: block scales before the sweep (else during it)
+    activation_aware: bool = _DEFAULTS.nvfp4.activation_aware  # gptq: W4A4 target and Hessian (FP4 input noise)
+
+    @property
+    def needs_hessian(self) -> bool:
+        return self.rounding == "gptq"
 
 
 def _weighted_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor) -> float:
@@ -69,6 +81,10 @@ class NVFP4LayerQuantizer:
             raise ValueError("--mse-iters must be >= 0 and --mse-max-shrink in [0, 1)")
         if options.input_scale not in INPUT_SCALE_RULES:
             raise ValueError(f"--input-scale {options.input_scale!r}: expected {' or '.join(INPUT_SCALE_RULES)}")
+        if options.rounding not in ROUNDINGS:
+            raise ValueError(f"--rounding {options.rounding!r}: expected {' or '.join(ROUNDINGS)}")
+        if options.activation_aware and options.rounding != "gptq":
+            raise ValueError("--activation-aware shapes GPTQ's objective: it needs --rounding gptq")
         self.config = config
         self.plan = plan
         self.opts = options
@@ -77,10 +93,15 @@ class NVFP4LayerQuantizer:
 
     @torch.no_grad()
     def smooth(
-        self, index: int, layer: DecoderLayer, stats: LayerStats, report: dict[str, Any] | None = None
+        self,
+        index: int,
+        layer: DecoderLayer,
+        stats: LayerStats,
+        report: dict[str, Any] | None = None,
+        folded: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Fold SmoothQuant scales into the layer's groups whose members are all quantized; returns each
-        group's per-channel (absmax, mean x^2) as seen by the smoothed linears."""
+        group's per-channel (absmax, mean x^2) as seen by the smoothed linears (``folded`` receives the scales)."""
         prefix = f"model.layers.{index}."
         act: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for g in input_groups(self.config, layer.kind):
@@ -101,23 +122,57 @@ class NVFP4LayerQuantizer:
                 absmax, msq = absmax / s, msq / s**2
                 if report is not None:
                     report[g.name] = float(s.max() / s.min())
+                if folded is not None:
+                    folded[g.name] = s
             act[g.name] = (absmax, msq)
         return act
 
     @torch.no_grad()
     def _quantize_linear(
-        self, name: str, mod: nn.Module, ws2: torch.Tensor | None, msq: torch.Tensor, in_scale: torch.Tensor
+        self,
+        name: str,
+        mod: nn.Module,
+        ws2: torch.Tensor | None,
+        msq: torch.Tensor,
+        in_scale: torch.Tensor,
+        hessian: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry."""
+        """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry;
+        ``hessian`` (the smoothed inputs') for GPTQ rounding; ``noise`` (the FP4 activation rounding noise per
+        input) for the W4A4-aware target: with activations ``x + n``, ``n`` independent of ``x``, the expected
+        output error of ``W_hat`` is ``(W_hat - W) H (W_hat - W)^T + W_hat D W_hat^T``, which is
+        ``(W_hat - W*) (H + D) (W_hat - W*)^T`` plus a constant for ``W* = W H (H + D)^-1``: GPTQ rounds ``W*``
+        under ``H + D``."""
         w = mod.weight.data.float()
         ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
         t0 = time.perf_counter()
+        source = w
+        if hessian is not None and noise is not None:
+            hessian = hessian.to(w.device).double()
+            aware = hessian + torch.diag(noise.to(w.device).double())
+            w = torch.linalg.solve(aware, hessian @ w.double().T).T.float()  # aware is symmetric
+            hessian = aware.float()
         plain = quantize_nvfp4(w, weight_scale_2=ws2)
         err_plain = _weighted_error(w, plain.dequantize(), msq)
         q = plain
+        searched = None
         if self.opts.mse_iters > 0:
             found = search_block_scales(w, ws2, msq, iters=self.opts.mse_iters, max_shrink=self.opts.mse_max_shrink)
-            q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=found.scales)
+            searched = found.scales
+            q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=searched)
+        nearest = q
+        if hessian is not None:
+            solved = gptq_nvfp4(
+                w,
+                hessian.to(w.device),
+                ws2,
+                msq,
+                block_scale=(q.weight_scale if self.opts.static_scales else None),
+                mse_iters=self.opts.mse_iters,
+                mse_max_shrink=self.opts.mse_max_shrink,
+            )
+            q = solved.weight
         if w.is_cuda:
             torch.cuda.synchronize(w.device)
         seconds = time.perf_counter() - t0
@@ -137,14 +192,33 @@ class NVFP4LayerQuantizer:
             "rel_err_plain_scales": err_plain / total if total > 0 else 0.0,
             "seconds": seconds,
         }
+        if hessian is not None:  # the objective GPTQ minimises, against rounding to nearest under the same scales
+            entry["hessian_rel_err"] = relative_output_error(w, w_hat, hessian)
+            entry["hessian_rel_err_nearest"] = relative_output_error(w, nearest.dequantize(), hessian)
+        if source is not w:  # the aware target's distance from the weight (the shrinkage D buys)
+            entry["target_rel_change"] = float((w - source).norm() / source.norm().clamp(min=_TINY))
         return tensors, {name: entry}
+
+    @staticmethod
+    def _hessian(stats: GroupStats, smoothing: torch.Tensor | None) -> torch.Tensor:
+        """The group's input Hessian as the (smoothed) linears see it."""
+        h = stats.hessian_per_sample() if HESSIAN_SUM == "samples" else stats.hessian_mean()
+        return transform_hessian(h, smoothing.to(h.device)) if smoothing is not None else h
+
+    @staticmethod
+    def _noise(stats: GroupStats, smoothing: torch.Tensor | None) -> torch.Tensor:
+        """The group's FP4 activation noise per input as the smoothed linears see it (the rounding error scales
+        with the block maximum, which smoothing divides with the inputs: approximated as the noise over ``s^2``)."""
+        d = stats.fp4_noise_mean()
+        return d / smoothing.to(d.device) ** 2 if smoothing is not None else d
 
     @torch.no_grad()
     def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
         prefix = f"model.layers.{index}."
         report: dict[str, Any] = {"layer": index, "kind": layer.kind, "linears": {}, "smooth_scale_range": {}}
         tensors: dict[str, torch.Tensor] = {}
-        act = self.smooth(index, layer, stats, report["smooth_scale_range"])
+        folded: dict[str, torch.Tensor] = {}
+        act = self.smooth(index, layer, stats, report["smooth_scale_range"], folded)
 
         shared_ws2: dict[str, torch.Tensor] = {}
         for fused, ms in FUSED_PARAMETERS.items():
@@ -158,6 +232,8 @@ class NVFP4LayerQuantizer:
         for g in input_groups(self.config, layer.kind):
             absmax, msq = act[g.name]
             in_scale = input_scale(absmax.amax())
+            hessian = self._hessian(stats[g.name], folded.get(g.name)) if self.opts.needs_hessian else None
+            noise = self._noise(stats[g.name], folded.get(g.name)) if self.opts.activation_aware else None
             quantized = [m for m in g.members if prefix + m in self.plan.quantized]
             if quantized and self.opts.input_scale == "mse":
                 searches[g.name] = (InputScaleSearch(in_scale, self.stride), quantized)
@@ -168,8 +244,10 @@ class NVFP4LayerQuantizer:
                     report["linears"][m] = {"format": "bf16"}
                     continue
                 ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
-                jobs.append(partial(self._quantize_linear, m, mod, ws2, msq, in_scale))
-                costs.append(mod.weight.numel() * (1 + self.opts.mse_iters))
+                jobs.append(partial(self._quantize_linear, m, mod, ws2, msq, in_scale, hessian, noise))
+                costs.append(
+                    mod.weight.numel() * (1 + self.opts.mse_iters + (msq.numel() if hessian is not None else 0))
+                )
         # Each linear is quantized on one process (the costliest first, to the least loaded), its results go to all.
         for got, entry in spread(jobs, costs, self.ranks):
             name = next(iter(entry))
