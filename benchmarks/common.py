@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from salaquant.model.config import LIGHTNING, SalaConfig
@@ -62,3 +63,17 @@ def work_flops(cfg: SalaConfig, lengths: list[int], hessian: bool) -> dict[str, 
             else:  # causal softmax attention: QK^T and PV over half the square
                 attn += 2 * 2 * t * t / 2 * cfg.num_attention_heads * cfg.head_dim
     return {"linear": linear, "attention": attn, "hessian": hess, "total": linear + attn + hess}
+
+
+def fp4_activations(model: torch.nn.Module, scales: dict[str, float]) -> torch.nn.Module:
+    """Quantize the input of each named linear to NVFP4 with its activation scale (``input_scale``, ModelOpt's
+    convention) before it runs, as Blackwell's FP4 GEMM does (``quantize_activations``, ModelOpt's numerics): W4A4
+    scoring of an export written with dequantized weights."""
+    from salaquant.formats.modelopt_nvfp4.numerics import quantize_activations
+
+    for name, scale in scales.items():
+        value = torch.tensor(scale, dtype=torch.float32)
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda _m, args, s=value: (quantize_activations(args[0], s.to(args[0].device)), *args[1:])
+        )
+    return model

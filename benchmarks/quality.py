@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import CALIB, ROOT, TINY, quiet
+from common import CALIB, ROOT, TINY, fp4_activations, quiet
 from rich.console import Console
 from rich.table import Table
 
@@ -78,7 +79,13 @@ def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str,
         ("salaquant NVFP4 default (search)", "nvfp4", nvfp4(NVFP4LayerOptions(), False)),
         ("salaquant NVFP4 dense-all, plain scales", "nvfp4-da-plain", nvfp4(NVFP4LayerOptions(mse_iters=0), True)),
         ("salaquant NVFP4 dense-all (search)", "nvfp4-da", nvfp4(NVFP4LayerOptions(), True)),
+        ("salaquant NVFP4 default, GPTQ rounding", "nvfp4-gptq", nvfp4(NVFP4LayerOptions(rounding="gptq"), False)),
+        ("salaquant NVFP4 dense-all, GPTQ rounding", "nvfp4-da-gptq", nvfp4(NVFP4LayerOptions(rounding="gptq"), True)),
     ]
+
+
+def _linear_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
 
 
 def nvfp4_quantized_linears(export: Path) -> set[str]:
@@ -249,7 +256,7 @@ def main() -> None:
         console.print(f"{name}: {done} ({r['seconds']} s)")
 
     nvfp4_exports = {"nvfp4": "default", "nvfp4-da": "dense-all"}
-    nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt"))
+    nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt", "llm-compressor GPTQ NVFP4"))
     for name, folder, quantize in salaquant_variants(model, calib):
         path = args.out / folder
         if not wanted(name) and not (folder in nvfp4_exports and nvfp4_wanted):
@@ -264,6 +271,14 @@ def main() -> None:
         else:
             quantize(path)  # an export the NVFP4 rows below need
 
+    for export, label in (
+        ("nvfp4-gptq", "salaquant NVFP4 default, GPTQ rounding, W4A4"),
+        ("nvfp4-da-gptq", "salaquant NVFP4 dense-all, GPTQ rounding, W4A4"),
+    ):
+        if (path := args.out / export / "config.json").exists():
+            record(
+                label, "salaquant", lambda p=path.parent: (load(p, activations="fp4", kernels=False), {"path": str(p)})
+            )
     for export, exclusions in nvfp4_exports.items():
         if not (args.out / export / "config.json").exists():
             continue
@@ -305,6 +320,30 @@ def main() -> None:
             return load_model(out), info
 
         record(label, tool, build_peer)
+
+    # llm-compressor's GPTQ for NVFP4, told to keep the linears salaquant's default NVFP4 export keeps in bf16;
+    # the W4A4 export is scored with FP4 activations at its own calibrated activation scales.
+    ours_nvfp4 = nvfp4_quantized_linears(args.out / "nvfp4") if (args.out / "nvfp4").exists() else set()
+    kept_nvfp4 = [re.escape(n) for n in sorted(_linear_names(reference) - ours_nvfp4)] if ours_nvfp4 else []
+    nvfp4_args = peer_args[: peer_args.index("--max-len") + 2] + (["--ignore", *kept_nvfp4] if kept_nvfp4 else [])
+    for label, scheme, folder in (
+        ("llm-compressor GPTQ NVFP4A16, default exclusions", "NVFP4A16", "llmc-nvfp4a16"),
+        ("llm-compressor GPTQ NVFP4, default exclusions, W4A4", "NVFP4", "llmc-nvfp4"),
+    ):
+        out = args.out / f"peer-{folder}"
+
+        def build_nvfp4_peer(scheme=scheme, out=out) -> tuple[torch.nn.Module, dict]:
+            info = run_peer("llmcompressor_gptq.py", args.llmc_venv, [*nvfp4_args, "--scheme", scheme], out,
+                            "setup_llmcompressor.sh")  # fmt: skip
+            if "error" in info:
+                raise RuntimeError(json.dumps({k: info[k] for k in ("error", "where") if k in info}))
+            info["same_linears_as_salaquant"] = info.get("quantized_linears") == len(ours_nvfp4)
+            net = load_model(out)
+            if (out / "input_scales.json").exists():
+                net = fp4_activations(net, json.loads((out / "input_scales.json").read_text()))
+            return net, info
+
+        record(label, "llm-compressor", build_nvfp4_peer)
 
     base = rows[0]["ppl"]
     for r in rows:

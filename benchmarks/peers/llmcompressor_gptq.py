@@ -1,18 +1,22 @@
-"""Peer runner: llm-compressor's GPTQ W4A16 (optionally after SmoothQuant) on a SALA checkpoint, on CPU.
+"""Peer runner: llm-compressor's GPTQ (W4A16, NVFP4A16 or NVFP4 W4A4; optionally after SmoothQuant) on a SALA
+checkpoint, on CPU.
 
 Runs inside the virtual environment made by ``benchmarks/peers/setup_llmcompressor.sh``::
 
     python benchmarks/peers/llmcompressor_gptq.py --model models/sala-tiny \\
         --calib calib/sala-tiny-calib.jsonl --max-samples 32 --max-len 2048 --out OUT [--smoothquant]
+        [--scheme W4A16|NVFP4A16|NVFP4]
 
 The model is loaded with ``AutoModelForCausalLM`` (after ``import salaquant.model.hf``), the calibration
 samples are the token sequences ``salaquant.calibration.calib_data.load_calibration`` gives (so both tools see the
-same tokens), and ``oneshot`` runs ``GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])``,
+same tokens), and ``oneshot`` runs ``GPTQModifier(targets="Linear", scheme=SCHEME, ignore=["lm_head"])`` (NVFP4
+schemes with ``actorder="static"``, as llm-compressor's NVFP4 GPTQ example),
 preceded with ``--smoothquant`` by a ``SmoothQuantModifier`` (default strength) with explicit SALA
 mappings. OUT then holds a plain bf16 checkpoint that salaquant reads: ``config.json`` and the tokenizer
 files copied from the source, and ``model.safetensors`` with every tensor of the source under the same
 name, each quantized linear's weight replaced by the weight llm-compressor's quantized module computes
-with (its fake-quantized weight). ``OUT/peer.json`` records the run, or on failure the exception, the
+with (its fake-quantized weight); for W4A4 ``input_scales.json`` holds each quantized linear's activation scale
+(``1 / input_global_scale``). ``OUT/peer.json`` records the run, or on failure the exception, the
 step and the llm-compressor / compressed-tensors frame where it happened (exit status 1).
 """
 
@@ -32,9 +36,12 @@ from typing import Any
 
 import torch
 
-SCHEME = "W4A16"
-GROUP_SIZE = 128
-MAX_LEVELS = 16  # int4
+SCHEMES: dict[str, tuple[int, int, str]] = {
+    "W4A16": (128, 16, "int4 symmetric, group 128"),
+    "NVFP4A16": (16, 15, "NVFP4 weights (E2M1, FP8 scales per 16, global scale), 16-bit activations"),
+    "NVFP4": (16, 15, "NVFP4 weights and activations (W4A4; activation block scales dynamic, global scale calibrated)"),
+}
+"""Scheme -> (inputs per group, most distinct values in one, description): E2M1 has 15 values (+-0 are one)."""
 IGNORE = ["lm_head"]
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -92,6 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoothquant", action="store_true", help="run SmoothQuantModifier before GPTQ")
+    ap.add_argument("--scheme", choices=tuple(SCHEMES), default="W4A16", help="llm-compressor's preset scheme")
     ap.add_argument(
         "--pipeline",
         choices=("sequential", "basic"),
@@ -152,10 +160,13 @@ def calibration_dataset(model_path: Path, calib: str, max_samples: int, max_len:
     return tokenizer, dataset, info
 
 
-def gptq_modifier(ignore: list[str]) -> Any:
+def gptq_modifier(ignore: list[str], scheme: str) -> Any:
+    """GPTQ with the scheme's defaults; NVFP4 schemes with static activation order, as llm-compressor's NVFP4 GPTQ
+    example runs it (block scales fixed before the sweep)."""
     from llmcompressor.modifiers.quantization import GPTQModifier
 
-    return GPTQModifier(targets="Linear", scheme=SCHEME, ignore=list(IGNORE) + [f"re:{r}" for r in ignore])
+    extra = {"actorder": "static"} if scheme.startswith("NVFP4") else {}
+    return GPTQModifier(targets="Linear", scheme=scheme, ignore=list(IGNORE) + [f"re:{r}" for r in ignore], **extra)
 
 
 def smoothquant_modifier() -> Any:
@@ -233,14 +244,25 @@ def smoothing_factors(source: dict[str, torch.Tensor], model_state: dict[str, to
     return source[norm].float() / model_state[norm].float()
 
 
+def input_scales(model: Any) -> dict[str, float]:
+    """Per quantized linear, the activation scale in ModelOpt's convention (``1 / input_global_scale``), for
+    schemes that quantize activations (empty otherwise)."""
+    return {
+        name: float(1.0 / module.input_global_scale.float().reshape(-1)[0])
+        for name, module in quantized_linears(model).items()
+        if getattr(module, "input_global_scale", None) is not None
+    }
+
+
 def export(
-    model: Any, source_dir: Path, out: Path, smoothquant: bool
+    model: Any, source_dir: Path, out: Path, smoothquant: bool, scheme: str
 ) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
     """Write config, tokenizer and ``model.safetensors`` (source names, bf16); return the check figures,
     the names of the source linears kept in bf16 and the written tensors."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    group_size, max_allowed, _ = SCHEMES[scheme]
     quantized = quantized_linears(model)
     if not quantized:
         raise RuntimeError("oneshot left no module with a quantization_scheme: nothing was quantized")
@@ -257,7 +279,7 @@ def export(
             w = dequantized_weight(quantized[module_name])
             if tuple(w.shape) != tuple(ref.shape):
                 raise RuntimeError(f"{module_name}: dequantized weight {list(w.shape)} != source {list(ref.shape)}")
-            levels = levels_per_group(w, GROUP_SIZE)
+            levels = levels_per_group(w, group_size)
             max_levels = max(max_levels, levels)
             basis = ref.float()
             factors = smoothing_factors(source, state, module_name) if smoothquant else None
@@ -281,9 +303,10 @@ def export(
     missing = sorted(set(quantized) - {n.removesuffix(".weight") for n in source})
     if missing:
         raise RuntimeError(f"quantized modules with no weight in the source checkpoint: {missing}")
-    if max_levels > MAX_LEVELS:
+    if max_levels > max_allowed:
         worst = max(per_module, key=lambda n: per_module[n]["levels"])
-        raise RuntimeError(f"{worst}: {max_levels} distinct values in a group of {GROUP_SIZE} (int4 allows 16)")
+        raise RuntimeError(f"{worst}: {max_levels} distinct values in a group of {group_size} ({scheme} allows "
+                           f"{max_allowed})")  # fmt: skip
 
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((source_dir / "config.json").read_text())
@@ -293,6 +316,9 @@ def export(
         if (source_dir / fname).is_file():
             shutil.copy2(source_dir / fname, out / fname)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    scales = input_scales(model)
+    if scales:  # W4A4: what the activations are quantized with, for the scorer's FP4 activation emulation
+        (out / "input_scales.json").write_text(json.dumps(scales, indent=2) + "\n")
     (out / "model.safetensors").chmod(0o644)
 
     kept = sorted(
@@ -322,13 +348,32 @@ def _module_or_none(model: Any, name: str) -> torch.nn.Module | None:
 
 
 @torch.no_grad()
-def forward_check(model: Any, out: Path, ids: torch.Tensor, attention_mode: str) -> float:
-    """Largest |logit| difference between llm-compressor's in-memory quantized model and the written
-    checkpoint loaded back with ``AutoModelForCausalLM``, on one calibration prefix."""
+def forward_check(model: Any, source: Path, out: Path, ids: torch.Tensor, attention_mode: str) -> dict[str, float]:
+    """The written checkpoint against llm-compressor's in-memory quantized model on one calibration prefix: the
+    largest |logit| difference (weight-only schemes: the same computation, so near zero) and, for W4A4, the mean
+    KL(source || each) with the written model's linears quantizing their inputs by ``input_scales.json`` and
+    salaquant's NVFP4 activation quantizer (what the scorer runs; it rounds in fp32 as the FP4 GEMM's quantizer
+    does, where compressed-tensors' fake quantization rounds in the activations' bf16, so single tokens differ and
+    the comparable figure is the KL)."""
+    from salaquant.formats.modelopt_nvfp4.numerics import quantize_activations
+
     written = load_hf_model(out, attention_mode)
+    scales_file = out / "input_scales.json"
+    scales = json.loads(scales_file.read_text()) if scales_file.exists() else {}
+    for name, scale in scales.items():
+        s = torch.tensor(scale, dtype=torch.float32)
+        written.get_submodule(name).register_forward_pre_hook(
+            lambda _m, args, s=s: (quantize_activations(args[0], s).to(args[0].dtype), *args[1:])
+        )
     a = model(ids[None], attention_mode=attention_mode).logits.float()
     b = written(ids[None], attention_mode=attention_mode).logits.float()
-    return float((a - b).abs().max())
+    result = {"max_abs_logit_diff": float((a - b).abs().max())}
+    if scales:
+        ref = load_hf_model(source, attention_mode)(ids[None], attention_mode=attention_mode).logits.float()
+        lp = ref.log_softmax(-1)
+        for key, logits in (("kl_in_memory", a), ("kl_written_emulated", b)):
+            result[key] = float((lp.exp() * (lp - logits.log_softmax(-1))).sum(-1).mean())
+    return result
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -380,32 +425,43 @@ def main(argv: list[str] | None = None) -> int:
         with step("calibration data (salaquant.calibration.calib_data.load_calibration)"):
             tokenizer, dataset, calib_info = calibration_dataset(args.model, args.calib, args.max_samples, args.max_len)
 
-        recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + ["GPTQModifier"]
+        recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + [f"GPTQModifier {args.scheme}"]
         with step(f"oneshot ({' + '.join(recipe_names)}, pipeline {args.pipeline})"):
             t0 = time.perf_counter()
             if args.pipeline == "sequential":
                 # llm-compressor's "independent" pipeline gives each modifier its own sequential pass, so the
                 # GPTQ Hessians are collected on the already smoothed model.
-                recipe = ([smoothquant_modifier()] if args.smoothquant else []) + [gptq_modifier(args.ignore)]
+                recipe = ([smoothquant_modifier()] if args.smoothquant else []) + [
+                    gptq_modifier(args.ignore, args.scheme)
+                ]
                 model = run_oneshot(model, tokenizer, dataset, recipe, "independent", args.max_len)
                 pipeline = "independent (sequential per modifier)" if args.smoothquant else "sequential"
             else:
                 if args.smoothquant:
                     model = run_oneshot(model, tokenizer, dataset, [smoothquant_modifier()], "basic", args.max_len)
-                model = run_oneshot(model, tokenizer, dataset, [gptq_modifier(args.ignore)], "basic", args.max_len)
+                model = run_oneshot(
+                    model, tokenizer, dataset, [gptq_modifier(args.ignore, args.scheme)], "basic", args.max_len
+                )
                 pipeline = "basic"
             oneshot_s = time.perf_counter() - t0
 
         with step("export (dequantize and write model.safetensors)"):
-            checks, kept, _ = export(model, args.model, args.out, args.smoothquant)
+            checks, kept, _ = export(model, args.model, args.out, args.smoothquant, args.scheme)
 
         with step("forward check (in-memory quantized model vs written checkpoint)"):
             probe = torch.tensor(dataset[0]["input_ids"][:256], dtype=torch.int64)
-            logit_diff = forward_check(model, args.out, probe, args.attention_mode)
+            check = forward_check(model, args.model, args.out, probe, args.attention_mode)
+            logit_diff = check["max_abs_logit_diff"]
             notes.append(
                 f"max |logit| difference, llm-compressor's in-memory model vs the written checkpoint "
                 f"(first calibration sample, 256 tokens): {logit_diff:.3g}"
             )
+            if "kl_in_memory" in check:
+                notes.append(
+                    f"W4A4 on the same tokens, KL(source || q): llm-compressor's in-memory model "
+                    f"{check['kl_in_memory']:.4f}, the written checkpoint with the scorer's FP4 activations "
+                    f"{check['kl_written_emulated']:.4f}"
+                )
 
         if args.smoothquant:
             notes.append(
@@ -424,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "compressed_tensors": version("compressed-tensors"),
             "transformers": version("transformers"),
             "torch": version("torch"),
-            "scheme": f"{SCHEME} (int4 symmetric, group {GROUP_SIZE}, GPTQModifier defaults otherwise)",
+            "scheme": f"{args.scheme} ({SCHEMES[args.scheme][2]}; GPTQModifier defaults otherwise)",
             "smoothquant": bool(args.smoothquant),
             "pipeline": pipeline,
             "seconds": round(oneshot_s, 1),
@@ -435,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             **checks,
             "calibration": calib_info,
             "forward_check_max_abs_logit_diff": logit_diff,
+            "forward_check": check,
             "notes": notes,
             "per_module": per_module,
         }

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from scoring import CALIB, MODEL, ROOT, TextSet, mean, quiet, se, slug, source_state, validation_text
+from scoring import CALIB, MODEL, ROOT, TextSet, decide, mean, quiet, slug, source_state, validation_text
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
@@ -147,24 +147,6 @@ def set_scales(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> None:
             model.get_submodule(m).input_scale.copy_(scales[key].reshape(()))
 
 
-def paired_pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
-    """Validation KL of ``a`` minus ``b`` over the windows of every export pair (default and dense-all)."""
-    dk = [x - y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra["window_kl"], rb["window_kl"], strict=True)]
-    return {"kl": mean(dk), "kl_se": se(dk), "windows_better": sum(d < 0 for d in dk) / len(dk)}
-
-
-def decide(rows: list[dict[str, Any]], incumbent: str) -> dict[str, Any]:
-    """The rule: least mean validation KL over both exports; it replaces the incumbent only when lower by more than
-    one pooled paired standard error."""
-    ok = [r for r in rows if all("validation" in r[ex] for ex, _ in EXCLUSIONS)]
-    mean_kl = {r["variant"]: mean([r[ex]["validation"]["kl"] for ex, _ in EXCLUSIONS]) for r in ok}
-    best = min(ok, key=lambda r: mean_kl[r["variant"]])
-    inc = next(r for r in ok if r["variant"] == incumbent)
-    d = paired_pooled([best[ex]["validation"] for ex, _ in EXCLUSIONS], [inc[ex]["validation"] for ex, _ in EXCLUSIONS])
-    chosen = best if best is not inc and d["kl"] < -d["kl_se"] else inc
-    return {"least_kl": best["variant"], "vs_incumbent": d, "chosen": chosen["variant"], "mean_kl": mean_kl}
-
-
 def _print(console: Console, name: str, ex: str, s: dict[str, Any], seconds: float) -> None:
     v, h = s["validation"], s["heldout"]
     console.print(
@@ -223,7 +205,7 @@ def main() -> None:
         name, alpha, groups = next(v for v in SMOOTHING if v[0] == SMOOTH_INCUMBENT)
         picked: dict[str, Any] = {"variant": name, "smooth_alpha": alpha, "smooth_groups": list(groups)}
     else:
-        smooth_pick = decide(smooth_rows, SMOOTH_INCUMBENT)
+        smooth_pick = decide(smooth_rows, SMOOTH_INCUMBENT, EXCLUSIONS)
         picked = next(r for r in smooth_rows if r["variant"] == smooth_pick["chosen"])
     console.print(f"smoothing: {smooth_pick}")
 
@@ -243,7 +225,7 @@ def main() -> None:
             row[ex]["scale_over_max"] = {k: float(scales[k] / st.base) for k, st in stats.items()}
             _print(console, row["variant"], ex, row[ex], time.perf_counter() - t0)
         set_scales(net, {k: st.base for k, st in stats.items()})
-    scale_pick = {} if args.command_only else decide(scale_rows, SCALE_INCUMBENT)
+    scale_pick = {} if args.command_only else decide(scale_rows, SCALE_INCUMBENT, EXCLUSIONS)
     console.print(f"input scale: {scale_pick}")
 
     # The command's own mse rule (statistics on its propagation pass, weight-only upstream): the check that the

@@ -16,7 +16,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,10 @@ __all__ = [
     "ROOT",
     "TextSet",
     "Variant",
+    "decide",
     "mean",
     "paired",
+    "paired_pooled",
     "quiet",
     "run_benchmark",
     "scoring_arguments",
@@ -151,6 +153,24 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
         "kl_se": se(dk),
         "kl_windows_better": sum(d < 0 for d in dk) / len(dk),
     }
+
+
+def paired_pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, float]:
+    """Validation KL of ``a`` minus ``b`` over the windows of every export pair (e.g. default and dense-all)."""
+    dk = [x - y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra["window_kl"], rb["window_kl"], strict=True)]
+    return {"kl": mean(dk), "kl_se": se(dk), "windows_better": sum(d < 0 for d in dk) / len(dk)}
+
+
+def decide(rows: list[dict[str, Any]], incumbent: str, exports: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The rule of the NVFP4 studies: least mean validation KL over the ``exports`` (each row holds one result per
+    export name); it replaces the incumbent only when lower by more than one pooled paired standard error."""
+    ok = [r for r in rows if all("validation" in r[ex] for ex, _ in exports)]
+    mean_kl = {r["variant"]: mean([r[ex]["validation"]["kl"] for ex, _ in exports]) for r in ok}
+    best = min(ok, key=lambda r: mean_kl[r["variant"]])
+    inc = next(r for r in ok if r["variant"] == incumbent)
+    d = paired_pooled([best[ex]["validation"] for ex, _ in exports], [inc[ex]["validation"] for ex, _ in exports])
+    chosen = best if best is not inc and d["kl"] < -d["kl_se"] else inc
+    return {"least_kl": best["variant"], "vs_incumbent": d, "chosen": chosen["variant"], "mean_kl": mean_kl}
 
 
 def slug(name: str) -> str:
