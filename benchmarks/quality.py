@@ -70,17 +70,27 @@ def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str,
         run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
         return lambda out: run_nvfp4(model, out, [str(CALIB)], calib, opts, run, quiet())
 
+    near = NVFP4LayerOptions(rounding="nearest")  # the rounding before GPTQ rounding became the default
+    near_plain = NVFP4LayerOptions(mse_iters=0, rounding="nearest")
     return [
         ("RTN W4 g128 (baseline)", "rtn", gptq(GPTQLayerOptions(method="rtn", mse=False, smooth_alpha=None))),
         ("salaquant GPTQ W4A16 (MSE scales, default)", "gptq", gptq(GPTQLayerOptions())),
         ("salaquant GPTQ W4A16, SmoothQuant 0.5", "gptq-smooth", gptq(GPTQLayerOptions(smooth_alpha=0.5))),
         ("salaquant GPTQ W4A16, plain scales", "gptq-plain", gptq(GPTQLayerOptions(mse=False))),
-        ("salaquant NVFP4 default, plain scales", "nvfp4-plain", nvfp4(NVFP4LayerOptions(mse_iters=0), False)),
-        ("salaquant NVFP4 default (search)", "nvfp4", nvfp4(NVFP4LayerOptions(), False)),
-        ("salaquant NVFP4 dense-all, plain scales", "nvfp4-da-plain", nvfp4(NVFP4LayerOptions(mse_iters=0), True)),
-        ("salaquant NVFP4 dense-all (search)", "nvfp4-da", nvfp4(NVFP4LayerOptions(), True)),
-        ("salaquant NVFP4 default, GPTQ rounding", "nvfp4-gptq", nvfp4(NVFP4LayerOptions(rounding="gptq"), False)),
-        ("salaquant NVFP4 dense-all, GPTQ rounding", "nvfp4-da-gptq", nvfp4(NVFP4LayerOptions(rounding="gptq"), True)),
+        (
+            "salaquant NVFP4 default, plain scales",
+            "nvfp4-plain",
+            nvfp4(near_plain, False),
+        ),
+        ("salaquant NVFP4 default (search)", "nvfp4", nvfp4(near, False)),
+        (
+            "salaquant NVFP4 dense-all, plain scales",
+            "nvfp4-da-plain",
+            nvfp4(near_plain, True),
+        ),
+        ("salaquant NVFP4 dense-all (search)", "nvfp4-da", nvfp4(near, True)),
+        ("salaquant NVFP4 default, GPTQ rounding (default)", "nvfp4-gptq", nvfp4(NVFP4LayerOptions(), False)),
+        ("salaquant NVFP4 dense-all, GPTQ rounding", "nvfp4-da-gptq", nvfp4(NVFP4LayerOptions(), True)),
     ]
 
 
@@ -272,7 +282,7 @@ def main() -> None:
             quantize(path)  # an export the NVFP4 rows below need
 
     for export, label in (
-        ("nvfp4-gptq", "salaquant NVFP4 default, GPTQ rounding, W4A4"),
+        ("nvfp4-gptq", "salaquant NVFP4 default, GPTQ rounding (default), W4A4"),
         ("nvfp4-da-gptq", "salaquant NVFP4 dense-all, GPTQ rounding, W4A4"),
     ):
         if (path := args.out / export / "config.json").exists():

@@ -124,12 +124,12 @@ class NVFP4Section(_Section):
         "max", description="activation global scale: ModelOpt's calibrated max, or the least-error multiple of it"
     )
     rounding: Literal["nearest", "gptq"] = Field(
-        "nearest",
+        "gptq",
         description="nearest E2M1 value under the block scales, or GPTQ's column sweep carrying each column's error "
         "into the columns not yet rounded (needs full input Hessians)",
     )
     static_scales: bool = Field(
-        True, description="gptq rounding: block scales searched before the sweep, else per block as it reaches them"
+        False, description="gptq rounding: block scales searched before the sweep, else per block as it reaches them"
     )
     activation_aware: bool = Field(
         False, description="gptq rounding for W4A4: the objective with the FP4 activation noise the GEMM adds"

@@ -209,4 +209,4 @@ def test_activation_aware_command(tmp_path: Path) -> None:
     assert json.loads((out / "salaquant_settings.json").read_text())["nvfp4"]["activation_aware"] is True
     with pytest.raises(ValueError, match="needs --rounding gptq"):
         run_nvfp4(MODEL, tmp_path / "o2", CALIB, CalibOptions(max_samples=2, max_len=128),
-                  NVFP4LayerOptions(activation_aware=True), run, Console(quiet=True))  # fmt: skip
+                  NVFP4LayerOptions(rounding="nearest", activation_aware=True), run, Console(quiet=True))  # fmt: skip

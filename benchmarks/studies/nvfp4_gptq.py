@@ -33,31 +33,29 @@ from scoring import (
     CALIB,
     MODEL,
     ROOT,
-    TextSet,
     decide,
     quiet,
     scoring_arguments,
+    scoring_sets,
     slug,
     source_state,
-    validation_text,
 )
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.eval.data import load_eval_text
-from salaquant.eval.perplexity import windows
 from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.load import load
-from salaquant.workflow import load_tokenizer
 
 EXCLUSIONS = (("default", False), ("dense-all", True))
 INCUMBENT = "nearest"
 VARIANTS: dict[str, NVFP4LayerOptions] = {
-    INCUMBENT: NVFP4LayerOptions(rounding="nearest"),
+    INCUMBENT: NVFP4LayerOptions(rounding="nearest"),  # the default when this study chose GPTQ rounding
     "gptq, scales before the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=True),
     "gptq, scales during the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=False),
-    "gptq, W4A4-aware (FP4 activation noise)": NVFP4LayerOptions(rounding="gptq", activation_aware=True),
+    "gptq, W4A4-aware (FP4 activation noise)": NVFP4LayerOptions(
+        rounding="gptq", static_scales=False, activation_aware=True
+    ),
 }
 WATCHED = (
     "salaquant/nvfp4/gptq.py",
@@ -82,13 +80,8 @@ def main() -> None:
     t_start = time.perf_counter()
     state_start = source_state(WATCHED)
     dev = args.device
-    tok = load_tokenizer(MODEL)
-    reference = load_model(MODEL, device=dev)
-    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
-    held = TextSet("heldout", [w.to(dev) for w in windows(held_tokens, args.window_len, args.windows)], reference)
-    val_tokens, val_info = validation_text(args.out, tok)
-    val = TextSet("validation", [w.to(dev) for w in windows(val_tokens, args.window_len, args.val_windows)], reference)
-    sets = [val, held]
+    _, sets, val_info = scoring_sets(args, dev)
+    val, held = sets
     calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len)
 
     rows: list[dict[str, Any]] = []

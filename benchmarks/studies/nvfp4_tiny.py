@@ -19,11 +19,11 @@ from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 
 OPTIONS: dict[str, tuple[NVFP4LayerOptions, bool]] = {
-    "NVFP4 default, plain scales": (NVFP4LayerOptions(mse_iters=0), False),
-    "NVFP4 default, block-scale search (default)": (NVFP4LayerOptions(), False),
-    "NVFP4 dense-all, plain scales": (NVFP4LayerOptions(mse_iters=0), True),
-    "NVFP4 dense-all, block-scale search": (NVFP4LayerOptions(), True),
-    "NVFP4 dense-all, search, no smoothing": (NVFP4LayerOptions(smooth_alpha=None), True),
+    "NVFP4 default, plain scales": (NVFP4LayerOptions(mse_iters=0, rounding="nearest"), False),
+    "NVFP4 default, block-scale search": (NVFP4LayerOptions(rounding="nearest"), False),
+    "NVFP4 dense-all, plain scales": (NVFP4LayerOptions(mse_iters=0, rounding="nearest"), True),
+    "NVFP4 dense-all, block-scale search": (NVFP4LayerOptions(rounding="nearest"), True),
+    "NVFP4 dense-all, search, no smoothing": (NVFP4LayerOptions(smooth_alpha=None, rounding="nearest"), True),
 }
 
 

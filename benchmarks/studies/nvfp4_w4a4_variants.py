@@ -40,14 +40,11 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from scoring import CALIB, MODEL, ROOT, TextSet, decide, mean, quiet, slug, source_state, validation_text
+from scoring import CALIB, MODEL, ROOT, decide, mean, quiet, scoring_sets, slug, source_state
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
-from salaquant.eval.data import load_eval_text
-from salaquant.eval.perplexity import windows
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.model.layout import input_groups
-from salaquant.model.loading import load_model
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.input_scale import InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions
@@ -174,15 +171,10 @@ def main() -> None:
     t_start = time.perf_counter()
     dev = args.device
 
-    tok = load_tokenizer(MODEL)
-    reference = load_model(MODEL, device=dev)
-    held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
-    held = TextSet("heldout", [w.to(dev) for w in windows(held_tokens, args.window_len, args.windows)], reference)
-    val_tokens, val_info = validation_text(args.out, tok)
-    val = TextSet("validation", [w.to(dev) for w in windows(val_tokens, args.window_len, args.val_windows)], reference)
-    sets = [val, held]
+    _, sets, val_info = scoring_sets(args, dev)
+    val, held = sets
     calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len)
-    samples = [s.ids for s in load_calibration([str(CALIB)], tok, calib).samples]
+    samples = [s.ids for s in load_calibration([str(CALIB)], load_tokenizer(MODEL), calib).samples]
 
     def score(net: torch.nn.Module) -> dict[str, Any]:
         return {s.name: s.score(net) for s in sets}
@@ -193,7 +185,7 @@ def main() -> None:
         for ex, dense_all in EXCLUSIONS:
             t0 = time.perf_counter()
             export = args.out / "exports" / f"{slug(name)}-{ex}"
-            opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups, input_scale="max")
+            opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups, input_scale="max", rounding="nearest")
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
             run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
             row[ex] = {"export": str(export), **score(load(export, device=dev, activations="fp4", kernels=False))}
@@ -235,7 +227,10 @@ def main() -> None:
         t0 = time.perf_counter()
         export = args.out / "exports" / f"input-scale-mse-{ex}"
         opts = NVFP4LayerOptions(
-            smooth_alpha=picked["smooth_alpha"], smooth_groups=tuple(picked["smooth_groups"]), input_scale="mse"
+            smooth_alpha=picked["smooth_alpha"],
+            smooth_groups=tuple(picked["smooth_groups"]),
+            input_scale="mse",
+            rounding="nearest",
         )
         run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
         run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())

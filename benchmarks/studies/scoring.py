@@ -191,15 +191,19 @@ def scoring_arguments(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def scoring_sets(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TextSet], dict[str, Any]]:
+def scoring_sets(
+    args: argparse.Namespace, device: str = "cpu"
+) -> tuple[torch.nn.Module, list[TextSet], dict[str, Any]]:
     """The bf16 reference and the ``[validation, heldout]`` sets it is scored against (the held-out windows are
-    exactly quality.py's), with the validation text's description."""
+    exactly quality.py's), on ``device``, with the validation text's description."""
     tok = load_tokenizer(MODEL)
-    reference = load_model(MODEL)
+    reference = load_model(MODEL, device=device)
     held_tokens = load_eval_text(None, tok, tok.eos_token_id).tokens
-    held = TextSet("heldout", windows(held_tokens, args.window_len, args.windows), reference)
+    held_windows = [w.to(device) for w in windows(held_tokens, args.window_len, args.windows)]
+    held = TextSet("heldout", held_windows, reference)
     val_tokens, val_info = validation_text(args.out, tok)
-    val = TextSet("validation", windows(val_tokens, args.window_len, args.val_windows), reference)
+    val_windows = [w.to(device) for w in windows(val_tokens, args.window_len, args.val_windows)]
+    val = TextSet("validation", val_windows, reference)
     return reference, [val, held], val_info
 
 

@@ -199,7 +199,7 @@ def nvfp4_command(
         str, typer.Option(help="Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower).")
     ] = _NVFP4.nvfp4.input_scale,
     rounding: Annotated[
-        str, typer.Option(help="nearest, or gptq (error feedback over the input Hessian; slower calibration).")
+        str, typer.Option(help="gptq (error feedback over the input Hessian), or nearest (faster calibration).")
     ] = _NVFP4.nvfp4.rounding,
     static_scales: Annotated[
         bool,
@@ -218,8 +218,8 @@ def nvfp4_command(
     resume: Resume = False,
     overwrite: Overwrite = False,
 ) -> None:
-    """SmoothQuant + block-scale search NVFP4 (GPTQ rounding with --rounding gptq), in ModelOpt's format for
-    SGLang / vLLM modelopt_fp4."""
+    """SmoothQuant + block-scale search + GPTQ rounding NVFP4, in ModelOpt's format for SGLang / vLLM
+    modelopt_fp4."""
     recipe = {
         "method": "nvfp4",
         "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field),

@@ -1,4 +1,4 @@
-"""``salaquant nvfp4``: calibration -> 3-group SmoothQuant -> block-scale search (and GPTQ rounding if asked) ->
+"""``salaquant nvfp4``: calibration -> 3-group SmoothQuant -> block-scale search -> GPTQ rounding (or nearest) ->
 ModelOpt NVFP4 export -> check."""
 
 from __future__ import annotations

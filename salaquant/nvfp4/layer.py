@@ -1,11 +1,12 @@
-"""NVFP4 for one SALA decoder layer: 3-group SmoothQuant, fused global scales, block-scale search.
+"""NVFP4 for one SALA decoder layer: 3-group SmoothQuant, fused global scales, block-scale search, then GPTQ
+rounding (``gptq.py``) or rounding to nearest.
 
-Plugged into the calibration engine as its quantizer (statistics without full Hessians: the search
-weighs each input column by its mean x^2, the diagonal of the Hessian). Shared ``weight_scale_2`` and
-``input_scale`` across every fused parameter (q/k/v, gate/up), block scales computed against the shared
-value, every scale folded (no ``pre_quant_scale``). The layer handed back carries the dequantized weights
-(weight-only fake quantization), so the next layer calibrates on quantized outputs. With the ``mse`` input-scale
-rule (``input_scale.py``) each input's scale is chosen on the propagation pass through that layer, which sees
+Plugged into the calibration engine as its quantizer: the search weighs each input column by its mean x^2 (the
+diagonal of the Hessian); GPTQ rounding reads the full per-sample input Hessian, which the engine then collects.
+Shared ``weight_scale_2`` and ``input_scale`` across every fused parameter (q/k/v, gate/up), block scales computed
+against the shared value, every scale folded (no ``pre_quant_scale``). The layer handed back carries the dequantized
+weights (weight-only fake quantization), so the next layer calibrates on quantized outputs. With the ``mse`` input-
+scale rule (``input_scale.py``) each input's scale is chosen on the propagation pass through that layer, which sees
 every calibration token's input to each quantized linear.
 """
 
