@@ -177,7 +177,6 @@ def _quantize(
             input_scale=n.input_scale,
             rounding=n.rounding,
             static_scales=n.static_scales,
-            activation_aware=n.activation_aware,
         )
         run4 = NVFP4RunOptions(
             dense_all=n.dense_all,

@@ -131,9 +131,6 @@ class NVFP4Section(_Section):
     static_scales: bool = Field(
         False, description="gptq rounding: block scales searched before the sweep, else per block as it reaches them"
     )
-    activation_aware: bool = Field(
-        False, description="gptq rounding for W4A4: the objective with the FP4 activation noise the GEMM adds"
-    )
 
 
 class Engine(_Section):

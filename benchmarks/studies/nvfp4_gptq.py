@@ -6,10 +6,8 @@ Every variant goes through ``salaquant nvfp4`` (default exclusions and ``--dense
 held-out windows of ``scoring.py`` (the model's held-out documents not in the shipped sample, and exactly
 quality.py's windows), twice: W4A4 (the runtime with ``activations="fp4"``, as Blackwell runs the export) and
 weight-only (the project's loader, as Hopper's FP4 Marlin runs it). Candidates: ``--rounding nearest`` (the
-incumbent), ``--rounding gptq`` with the searched block scales fixed before the sweep (``--static-scales``), with
-each block's scales searched as the sweep reaches it (``--sweep-scales``), and with the W4A4-aware objective
-(``--activation-aware``: the FP4 activation noise measured per input in calibration added to the Hessian, the
-target weight ``W H (H + D)^-1``).
+incumbent), ``--rounding gptq`` with the searched block scales fixed before the sweep (``--static-scales``) and with
+each block's scales searched as the sweep reaches it (``--sweep-scales``).
 
 Rule, fixed before any run: the candidate with the least mean per-token W4A4 KL(bf16 || quantized) on the
 validation text, averaged over the default and the dense-all exports, replaces the incumbent only if lower by more
@@ -53,9 +51,6 @@ VARIANTS: dict[str, NVFP4LayerOptions] = {
     INCUMBENT: NVFP4LayerOptions(rounding="nearest"),  # the default when this study chose GPTQ rounding
     "gptq, scales before the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=True),
     "gptq, scales during the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=False),
-    "gptq, W4A4-aware (FP4 activation noise)": NVFP4LayerOptions(
-        rounding="gptq", static_scales=False, activation_aware=True
-    ),
 }
 WATCHED = (
     "salaquant/nvfp4/gptq.py",

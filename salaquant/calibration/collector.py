@@ -25,7 +25,6 @@ class GroupCollector:
         self.dtype = torch.float64 if opts.hessian_dtype == "fp64" else torch.float32
         self.hessian = opts.hessian
         self.sums = tuple(opts.hessian_sums)
-        self.fp4_noise = opts.fp4_noise
         for g in groups:
             module = layer.get_submodule(g.members[0])
             assert isinstance(module, nn.Linear)
@@ -35,9 +34,7 @@ class GroupCollector:
 
     def empty(self) -> LayerStats:
         return {
-            name: GroupStats(
-                d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums, fp4_noise=self.fp4_noise
-            )
+            name: GroupStats(d, device=self.device, dtype=self.dtype, hessian=self.hessian, sums=self.sums)
             for name, d in self.dims.items()
         }
 

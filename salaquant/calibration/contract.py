@@ -31,7 +31,6 @@ class EngineOptions:
     hessian: bool = True
     hessian_dtype: str = "fp32"  # or "fp64"
     hessian_sums: tuple[str, ...] = HESSIAN_SUMS  # the Hessian sums kept: a quantizer needs only its weighting's
-    fp4_noise: bool = False  # also the FP4 activation rounding noise per channel (W4A4-aware NVFP4 rounding)
     tf32: bool = False  # TF32 for fp32 activations too (~1e-3 relative error); 16-bit ones always use it, exactly
     save_hessians: bool = True  # statistics-only runs: persist X^T X per layer (d^2 floats per group)
     show_progress: bool = True

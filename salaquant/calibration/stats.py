@@ -3,10 +3,7 @@
 For the input X [n, d] of a group (every token of every sample), the accumulator keeps ``sum X^T X`` (fp32
 by default, on TF32 tensor cores when the inputs are 16-bit floats; fp64 optional), ``sum_s X_s^T X_s / n_s``
 (the per-sample-normalised variant), the per-channel absolute maximum, ``sum x^2`` per channel and the token
-and sample counts; optionally (``fp4_noise``) the per-channel sum of the squared error NVFP4 activation rounding
-makes (each 16-input block of a token rounded to E2M1 under its own ``amax / 6``: the noise the FP4 GEMM adds,
-without the FP8 rounding of block scales, so that it does not depend on a global scale known only at the end).
-`merge` adds another accumulator's sums (another leaf of samples, another process's share:
+and sample counts. `merge` adds another accumulator's sums (another leaf of samples, another process's share:
 ``.shards`` fixes the order) and `tensors` lists every sum as one tensor on the accumulator's device,
 for the processes of a data-parallel run to exchange.
 """
@@ -29,15 +26,6 @@ def _tf32_exact(x: torch.Tensor, acc_dtype: torch.dtype) -> bool:
     return x.is_cuda and acc_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _fp4_rounding_error(x: torch.Tensor) -> torch.Tensor:
-    """``x - q(x)`` for ``x [n, d]``, ``q`` rounding every 16-input block to E2M1 under the block's ``amax / 6``."""
-    from ..formats.modelopt_nvfp4.numerics import e2m1_codes, e2m1_values
-
-    xb = x.float().reshape(x.shape[0], -1, 16)
-    step = (xb.abs().amax(-1, keepdim=True) / 6.0).clamp(min=torch.finfo(torch.float32).tiny)
-    return (xb - e2m1_values(e2m1_codes(xb / step)) * step).reshape(x.shape)
-
-
 @dataclass
 class GroupStats:
     """Statistics of one input group; update with chunks of a sample, then ``end_sample()``."""
@@ -47,13 +35,11 @@ class GroupStats:
     dtype: torch.dtype = torch.float32
     hessian: bool = True
     sums: tuple[str, ...] = HESSIAN_SUMS  # which of the two Hessian sums to keep ("tokens": xtx, "samples")
-    fp4_noise: bool = False
     xtx: torch.Tensor | None = None
     xtx_per_sample: torch.Tensor | None = None
     absmax: torch.Tensor = field(init=False)
     sumsq: torch.Tensor = field(init=False)
     counts: torch.Tensor = field(init=False)  # [tokens, samples], int64 on ``device``
-    noise_sq: torch.Tensor | None = None  # fp4_noise: per-channel sum of squared FP4 rounding errors (fp64)
     _sample_xtx: torch.Tensor | None = None  # the open sample's X^T X, allocated by its first chunk
     _sample_tokens: int = 0
 
@@ -61,10 +47,6 @@ class GroupStats:
         self.absmax = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
         self.sumsq = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        if self.fp4_noise:
-            if self.dim % 16:
-                raise ValueError(f"FP4 activation noise needs inputs in blocks of 16, got {self.dim}")
-            self.noise_sq = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
         unknown = set(self.sums) - set(HESSIAN_SUMS)
         if unknown or not self.sums:
             raise ValueError(f"Hessian sums {self.sums!r}: expected some of {HESSIAN_SUMS}")
@@ -90,8 +72,6 @@ class GroupStats:
         self.absmax = torch.maximum(self.absmax, x2.abs().amax(0).float())
         xf = x2.to(self.dtype)
         self.sumsq += xf.pow(2).sum(0).to(torch.float64)
-        if self.noise_sq is not None:
-            self.noise_sq += _fp4_rounding_error(x2).pow(2).sum(0).to(torch.float64)
         if self.hessian and self._sample_xtx is None:
             self._sample_xtx = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
         if self._sample_xtx is not None:
@@ -145,9 +125,6 @@ class GroupStats:
         self.absmax = torch.maximum(self.absmax, other.absmax.to(self.absmax.device))
         self.sumsq += other.sumsq.to(self.sumsq.device)
         self.counts += other.counts.to(self.counts.device)
-        if self.noise_sq is not None:
-            assert other.noise_sq is not None, "merging statistics with and without FP4 noise"
-            self.noise_sq += other.noise_sq.to(self.noise_sq.device)
         if self.xtx is not None:
             assert other.xtx is not None, "merging statistics that keep different Hessian sums"
             self.xtx += other.xtx.to(self.xtx.device)
@@ -159,7 +136,7 @@ class GroupStats:
     def tensors(self) -> list[torch.Tensor]:
         """Every sum, in a fixed order (received in place by another process: `merge` reads the same fields)."""
         out = [self.absmax, self.sumsq, self.counts]
-        out += [t for t in (self.noise_sq, self.xtx, self.xtx_per_sample) if t is not None]
+        out += [t for t in (self.xtx, self.xtx_per_sample) if t is not None]
         return out
 
     # ------------------------------------------------------------------ derived statistics
@@ -172,11 +149,6 @@ class GroupStats:
         """``mean over samples of X_s^T X_s / n_s`` (every sample weighs the same)."""
         assert self.xtx_per_sample is not None, "collected without the per-sample Hessian sum"
         return self.xtx_per_sample / max(1, self.samples)
-
-    def fp4_noise_mean(self) -> torch.Tensor:
-        """Per-channel mean squared FP4 activation rounding error over all tokens (fp32)."""
-        assert self.noise_sq is not None, "collected without FP4 noise"
-        return (self.noise_sq / max(1, self.tokens)).float()
 
     def mean_sq(self) -> torch.Tensor:
         """Per-channel mean of x^2 over all tokens (fp32)."""

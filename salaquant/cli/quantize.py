@@ -205,9 +205,6 @@ def nvfp4_command(
         bool,
         typer.Option("--static-scales/--sweep-scales", help="gptq: block scales before the sweep, or as it goes."),
     ] = _NVFP4.nvfp4.static_scales,
-    activation_aware: Annotated[
-        bool, typer.Option(help="gptq: round for W4A4, with the FP4 activation noise in the objective.")
-    ] = _NVFP4.nvfp4.activation_aware,
     smooth_alpha: SmoothAlpha = _NVFP4.smoothing.alpha,
     no_smooth: NoSmooth = not SMOOTH_BY_DEFAULT["nvfp4"],
     propagate: Propagate = _NVFP4.engine.propagate,
@@ -233,7 +230,6 @@ def nvfp4_command(
             "input_scale": input_scale,
             "rounding": rounding,
             "static_scales": static_scales,
-            "activation_aware": activation_aware,
         },
         "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
         "export": {"shard_size": shard_size},

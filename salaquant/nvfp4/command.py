@@ -118,8 +118,7 @@ class NVFP4Method:
 
     def statistics(self) -> dict[str, Any]:
         if self.layer.needs_hessian:  # GPTQ rounding: the one Hessian sum it solves with
-            sums = {"hessian": True, "hessian_dtype": "fp32", "hessian_sums": (HESSIAN_SUM,)}
-            return sums | ({"fp4_noise": True} if self.layer.activation_aware else {})
+            return {"hessian": True, "hessian_dtype": "fp32", "hessian_sums": (HESSIAN_SUM,)}
         return {"hessian": False}
 
     def quantizer(self, config: SalaConfig, total_tokens: int, ranks: Ranks) -> NVFP4LayerQuantizer:

@@ -56,7 +56,6 @@ class NVFP4LayerOptions:
     input_scale: str = _DEFAULTS.nvfp4.input_scale  # "max" (ModelOpt's rule) or "mse"
     rounding: str = _DEFAULTS.nvfp4.rounding  # "nearest" or "gptq" (column sweep with error feedback, ``gptq.py``)
     static_scales: bool = _DEFAULTS.nvfp4.static_scales  # gptq: block scales before the sweep (else during it)
-    activation_aware: bool = _DEFAULTS.nvfp4.activation_aware  # gptq: W4A4 target and Hessian (FP4 input noise)
 
     @property
     def needs_hessian(self) -> bool:
@@ -84,8 +83,6 @@ class NVFP4LayerQuantizer:
             raise ValueError(f"--input-scale {options.input_scale!r}: expected {' or '.join(INPUT_SCALE_RULES)}")
         if options.rounding not in ROUNDINGS:
             raise ValueError(f"--rounding {options.rounding!r}: expected {' or '.join(ROUNDINGS)}")
-        if options.activation_aware and options.rounding != "gptq":
-            raise ValueError("--activation-aware shapes GPTQ's objective: it needs --rounding gptq")
         self.config = config
         self.plan = plan
         self.opts = options
@@ -137,23 +134,12 @@ class NVFP4LayerQuantizer:
         msq: torch.Tensor,
         in_scale: torch.Tensor,
         hessian: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry;
-        ``hessian`` (the smoothed inputs') for GPTQ rounding; ``noise`` (the FP4 activation rounding noise per
-        input) for the W4A4-aware target: with activations ``x + n``, ``n`` independent of ``x``, the expected
-        output error of ``W_hat`` is ``(W_hat - W) H (W_hat - W)^T + W_hat D W_hat^T``, which is
-        ``(W_hat - W*) (H + D) (W_hat - W*)^T`` plus a constant for ``W* = W H (H + D)^-1``: GPTQ rounds ``W*``
-        under ``H + D``."""
+        ``hessian`` (the smoothed inputs') for GPTQ rounding."""
         w = mod.weight.data.float()
         ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
         t0 = time.perf_counter()
-        source = w
-        if hessian is not None and noise is not None:
-            hessian = hessian.to(w.device).double()
-            aware = hessian + torch.diag(noise.to(w.device).double())
-            w = torch.linalg.solve(aware, hessian @ w.double().T).T.float()  # aware is symmetric
-            hessian = aware.float()
         plain = quantize_nvfp4(w, weight_scale_2=ws2)
         err_plain = _weighted_error(w, plain.dequantize(), msq)
         q = plain
@@ -196,8 +182,6 @@ class NVFP4LayerQuantizer:
         if hessian is not None:  # the objective GPTQ minimises, against rounding to nearest under the same scales
             entry["hessian_rel_err"] = relative_output_error(w, w_hat, hessian)
             entry["hessian_rel_err_nearest"] = relative_output_error(w, nearest.dequantize(), hessian)
-        if source is not w:  # the aware target's distance from the weight (the shrinkage D buys)
-            entry["target_rel_change"] = float((w - source).norm() / source.norm().clamp(min=_TINY))
         return tensors, {name: entry}
 
     @staticmethod
@@ -205,13 +189,6 @@ class NVFP4LayerQuantizer:
         """The group's input Hessian as the (smoothed) linears see it."""
         h = stats.hessian_per_sample() if HESSIAN_SUM == "samples" else stats.hessian_mean()
         return transform_hessian(h, smoothing.to(h.device)) if smoothing is not None else h
-
-    @staticmethod
-    def _noise(stats: GroupStats, smoothing: torch.Tensor | None) -> torch.Tensor:
-        """The group's FP4 activation noise per input as the smoothed linears see it (the rounding error scales
-        with the block maximum, which smoothing divides with the inputs: approximated as the noise over ``s^2``)."""
-        d = stats.fp4_noise_mean()
-        return d / smoothing.to(d.device) ** 2 if smoothing is not None else d
 
     @torch.no_grad()
     def quantize_layer(self, index: int, layer: DecoderLayer, stats: LayerStats) -> LayerResult:
@@ -234,7 +211,6 @@ class NVFP4LayerQuantizer:
             absmax, msq = act[g.name]
             in_scale = input_scale(absmax.amax())
             hessian = self._hessian(stats[g.name], folded.get(g.name)) if self.opts.needs_hessian else None
-            noise = self._noise(stats[g.name], folded.get(g.name)) if self.opts.activation_aware else None
             quantized = [m for m in g.members if prefix + m in self.plan.quantized]
             if quantized and self.opts.input_scale == "mse":
                 searches[g.name] = (InputScaleSearch(in_scale, self.stride), quantized)
@@ -245,7 +221,7 @@ class NVFP4LayerQuantizer:
                     report["linears"][m] = {"format": "bf16"}
                     continue
                 ws2 = shared_ws2.get(FUSED_OF.get(m, ""))
-                jobs.append(partial(self._quantize_linear, m, mod, ws2, msq, in_scale, hessian, noise))
+                jobs.append(partial(self._quantize_linear, m, mod, ws2, msq, in_scale, hessian))
                 costs.append(
                     mod.weight.numel() * (1 + self.opts.mse_iters + (msq.numel() if hessian is not None else 0))
                 )
