@@ -170,3 +170,19 @@ def test_command_lowers_every_linears_hessian_error(tmp_path: Path, static: bool
         assert max(ratios) < 1.0, ratios
     else:
         assert max(ratios) < 1.1 and sum(ratios) / len(ratios) < 1.0, ratios
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("static", [True, False], ids=["scales-before", "scales-during"])
+def test_triton_sweep_writes_the_reference_bytes(static: bool) -> None:
+    """The solver on the Triton column sweep (interpreted here; on the H200 too, at 4096 x 4096 and 4096 x 16384)
+    writes the bytes of the PyTorch sweep, the operands laid out as the kernel reads them."""
+    g = torch.Generator().manual_seed(4)
+    w = _weight(g, 20, 64)
+    h = _correlated_hessian(g, 64)
+    ws2 = global_scale(w.abs().amax())
+    scales = search_block_scales(w, ws2, torch.diag(h)).scales if static else None
+    a, b = (gptq_nvfp4(w, h, ws2, torch.diag(h), block_scale=scales, block_size=32, backend=be).weight
+            for be in ("triton", "reference"))  # fmt: skip
+    assert torch.equal(a.weight, b.weight)
+    assert torch.equal(a.weight_scale.view(torch.uint8), b.weight_scale.view(torch.uint8))

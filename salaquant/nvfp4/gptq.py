@@ -108,6 +108,7 @@ def gptq_nvfp4(
                              f"{tuple(block_scale.shape)}")  # fmt: skip
         scale.copy_(block_scale)
     hinv, used_damp = inverse_cholesky(h, GPTQConfig(damp=damp, fp64=fp64))
+    hinv = hinv.contiguous()  # row-major: the column sweep reads rows of it
     codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
