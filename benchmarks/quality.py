@@ -304,8 +304,9 @@ def main() -> None:
 
     # The peers keep the same linears in bf16 as salaquant's GPTQ export (the ones gptq_marlin cannot serve).
     ours_gptq, kept_regexes = gptq_linears(args.out / "gptq") if (args.out / "gptq").exists() else (set(), [])
-    peer_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
-    peer_args += ["--max-len", str(args.max_len)] + (["--ignore", *kept_regexes] if kept_regexes else [])
+    base_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
+    base_args += ["--max-len", str(args.max_len)]
+    peer_args = base_args + (["--ignore", *kept_regexes] if kept_regexes else [])
     peers = [
         ("llm-compressor GPTQ W4A16", "llmcompressor_gptq.py", args.llmc_venv, [], "setup_llmcompressor.sh", "llmc"),
         (
@@ -335,7 +336,7 @@ def main() -> None:
     # the W4A4 export is scored with FP4 activations at its own calibrated activation scales.
     ours_nvfp4 = nvfp4_quantized_linears(args.out / "nvfp4") if (args.out / "nvfp4").exists() else set()
     kept_nvfp4 = [re.escape(n) for n in sorted(_linear_names(reference) - ours_nvfp4)] if ours_nvfp4 else []
-    nvfp4_args = peer_args[: peer_args.index("--max-len") + 2] + (["--ignore", *kept_nvfp4] if kept_nvfp4 else [])
+    nvfp4_args = base_args + (["--ignore", *kept_nvfp4] if kept_nvfp4 else [])
     for label, scheme, folder in (
         ("llm-compressor GPTQ NVFP4A16, default exclusions", "NVFP4A16", "llmc-nvfp4a16"),
         ("llm-compressor GPTQ NVFP4, default exclusions, W4A4", "NVFP4", "llmc-nvfp4"),

@@ -25,7 +25,7 @@ from ..calibration.contract import LayerResult
 from ..calibration.distributed import SINGLE, Ranks, spread
 from ..calibration.stats import GroupStats, LayerStats
 from ..formats.modelopt_nvfp4.numerics import global_scale, input_scale, quantize_nvfp4
-from ..gptq.solver import relative_output_error
+from ..gptq.solver import error_ratio, row_weighted_errors, weighted_error
 from ..model.config import SalaConfig
 from ..model.layout import FUSED_OF, FUSED_PARAMETERS, input_groups
 from ..model.modeling import DecoderLayer
@@ -180,8 +180,10 @@ class NVFP4LayerQuantizer:
             "seconds": seconds,
         }
         if hessian is not None:  # the objective GPTQ minimises, against rounding to nearest under the same scales
-            entry["hessian_rel_err"] = relative_output_error(w, w_hat, hessian)
-            entry["hessian_rel_err_nearest"] = relative_output_error(w, nearest.dequantize(), hessian)
+            h = hessian.to(w.device)
+            total_h = float(row_weighted_errors(w, None, h).sum())
+            entry["hessian_rel_err"] = error_ratio(solved.loss, total_h)  # the solver's loss: no second product
+            entry["hessian_rel_err_nearest"] = error_ratio(weighted_error(w, nearest.dequantize(), h), total_h)
         return tensors, {name: entry}
 
     @staticmethod
