@@ -163,7 +163,7 @@ def step_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, lm_
 
 def custom_stage(args: argparse.Namespace) -> Stage:
     return Stage("custom", args.lengths, args.kinds, args.lm_share, args.lr, args.warmup, args.tokens_per_step,
-                 args.seed, max_keys=args.max_keys, max_questions=args.max_questions)  # fmt: skip
+                 args.seed, args.schedule, max_keys=args.max_keys, max_questions=args.max_questions)  # fmt: skip
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--lm-share", type=float, default=0.25)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--schedule", type=int, default=0, help="steps the learning rate decays over (0: timed)")
     ap.add_argument("--train-minutes", type=float, default=18.0, help="training time of a stage with no schedule")
     ap.add_argument("--minutes", type=float, default=7.0, help="wall time of this call")
     ap.add_argument("--seed", type=int, default=0)
