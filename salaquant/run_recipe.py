@@ -27,10 +27,8 @@ class GateFailed(ExportRejected):
 
 
 def calib_options(r: Recipe) -> CalibOptions:
-    c = r.calibration
-    return CalibOptions(
-        max_samples=c.max_samples, max_len=c.max_len, min_len=c.min_len, shuffle=c.shuffle, seed=c.seed, field=c.field
-    )
+    """The recipe's calibration settings, less its sources (the option fields carry the settings' names)."""
+    return CalibOptions(**r.calibration.model_dump(exclude={"sources"}))
 
 
 def run_recipe(

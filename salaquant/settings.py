@@ -55,6 +55,7 @@ class Calibration(_Section):
     shuffle: bool = False
     seed: int = 0
     field: str | None = Field(None, min_length=1, description="the record field holding the text")
+    bos: bool = Field(True, description="begin every sample with the tokenizer's BOS, as a served prompt begins")
 
 
 class Smoothing(_Section):

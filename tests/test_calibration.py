@@ -58,7 +58,7 @@ def test_text_jsonl_ids_match_direct_tokenization(tok: Any, tmp_path: Path) -> N
     assert all(s.ids.dtype == torch.int64 and s.ids.ndim == 1 for s in cs)
     assert [s.source for s in cs] == [f"{path}:1", f"{path}:2"]
 
-    no_bos = load_calibration(path, tok, CalibOptions(add_bos=False))
+    no_bos = load_calibration(path, tok, CalibOptions(bos=False))
     assert [s.ids.tolist() for s in no_bos] == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 

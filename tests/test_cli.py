@@ -102,6 +102,23 @@ def test_calibrate_writes_statistics(tmp_path: Path) -> None:
     assert again.exit_code == 2 and "--overwrite" in again.output
 
 
+def test_calibrate_no_bos_drops_one_token_per_sample(tmp_path: Path) -> None:
+    """``--no-bos`` calibrates on the records' own tokens (a model trained without BOS); the default adds one BOS
+    per sample. Token counts against the tokenizer run directly on the first two records."""
+    from salaquant.workflow import load_tokenizer
+
+    tok = load_tokenizer(SHIPPED)
+    texts = [json.loads(line)["text"] for line in CALIB.read_text().splitlines()[:2]]
+    own = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    for flag, expected in (("--bos", own + 2), ("--no-bos", own)):
+        out = tmp_path / flag
+        args = ["calibrate", "-i", str(SHIPPED), "-o", str(out), "--calib", str(CALIB), "--max-samples", "2"]
+        res = runner.invoke(app, [*args, "--device", "cpu", flag])
+        assert res.exit_code == 0, res.output
+        report = json.loads((out / "calibration.json").read_text())
+        assert report["tokens"] == expected, (flag, report["tokens"], own)
+
+
 def test_calibrate_bad_inputs(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": oops}\n')

@@ -196,3 +196,21 @@ def test_eval_gate_sets_exit_code(tmp_path: Path) -> None:
     assert again.exit_code == 3, again.output
     assert json.loads((tmp_path / "ok" / "eval_gate.json").read_text())["passed"]
     assert (tmp_path / "ok" / "model.safetensors").read_bytes() == before
+
+
+def test_recipe_calibration_reaches_the_loader(tmp_path: Path) -> None:
+    """Every calibration key of a recipe lands in the loader's options (``bos`` included), none dropped."""
+    from salaquant.run_recipe import calib_options
+
+    path = tmp_path / "r.yaml"
+    path.write_text("method: gptq\ncalibration:\n  max_samples: 7\n  max_len: 333\n  min_len: 2\n  bos: false\n")
+    opts = calib_options(load_recipe(path, ["calibration.shuffle=true", "calibration.seed=5"]))
+    assert (opts.max_samples, opts.max_len, opts.min_len, opts.shuffle, opts.seed, opts.bos) == (
+        7,
+        333,
+        2,
+        True,
+        5,
+        False,
+    )
+    assert calib_options(load_recipe("gptq-w4a16")).bos is True

@@ -103,7 +103,7 @@ class CalibOptions:
     shuffle: bool = False
     seed: int = 0
     field: str | None = None
-    add_bos: bool = True
+    bos: bool = True
 
     def validate(self) -> None:
         """Raise ``CalibrationError`` on an out-of-range option."""
@@ -282,7 +282,7 @@ def load_calibration(
     """Read, tokenize and select the calibration samples of one or more sources (see the module doc).
 
     Each record is tokenized with ``tokenizer(text, add_special_tokens=False)``, ``tokenizer.bos_token_id``
-    is prepended when ``options.add_bos`` and the tokenizer has one, and the result is cut to
+    is prepended when ``options.bos`` and the tokenizer has one, and the result is cut to
     ``options.max_len``. Records are taken in source order (or shuffled), and samples are kept until
     ``options.max_samples`` are in hand. Raises ``CalibrationError`` on unreadable input or an empty result.
     """
@@ -303,7 +303,7 @@ def load_calibration(
     if options.shuffle:
         random.Random(options.seed).shuffle(records)
 
-    bos = getattr(tokenizer, "bos_token_id", None) if options.add_bos else None
+    bos = getattr(tokenizer, "bos_token_id", None) if options.bos else None
     samples: list[CalibSample] = []
     seen = dropped = truncated = 0
     for rec in records:

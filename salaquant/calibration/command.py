@@ -44,7 +44,7 @@ def run_calibrate(
 ) -> Path:
     if hessian_dtype not in ("fp32", "fp64"):
         raise ValueError(f"--hessian-dtype {hessian_dtype!r}: expected fp32 or fp64")
-    calibration = {k: v for k, v in dataclasses.asdict(options).items() if k != "add_bos"}
+    calibration = dataclasses.asdict(options)
     check_flags({"calibration": calibration, "engine": {"device": device, "chunk_tokens": chunk_tokens}})
     config, ranks = start_run(model, output, sources, device=device, overwrite=overwrite, resume=resume)
     if not ranks.main:  # one voice: rank 0 prints and writes the statistics

@@ -18,6 +18,9 @@ MinLen = Annotated[int, typer.Option(help="Drop samples shorter than this.")]
 Shuffle = Annotated[bool, typer.Option(help="Shuffle the records (with --seed) instead of file order.")]
 Seed = Annotated[int, typer.Option(help="Shuffle seed.")]
 Field = Annotated[str | None, typer.Option(help="Record field holding the text.")]
+Bos = Annotated[
+    bool, typer.Option(help="Begin every sample with the tokenizer's BOS (--no-bos: as a model trained without it).")
+]
 ChunkTokens = Annotated[int, typer.Option(help="Tokens per chunk for long samples.")]
 Device = Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")]
 Resume = Annotated[bool, typer.Option(help="Continue an interrupted run from its work folder.")]
@@ -39,7 +42,14 @@ SaveRecipe = Annotated[Path | None, typer.Option(help="Write the recipe these fl
 
 
 def calibration_flags(
-    sources: list[str], max_samples: int | None, max_len: int, min_len: int, shuffle: bool, seed: int, field: str | None
+    sources: list[str],
+    max_samples: int | None,
+    max_len: int,
+    min_len: int,
+    shuffle: bool,
+    seed: int,
+    field: str | None,
+    bos: bool,
 ) -> dict[str, Any]:
     return {
         "sources": sources,
@@ -49,4 +59,5 @@ def calibration_flags(
         "shuffle": shuffle,
         "seed": seed,
         "field": field,
+        "bos": bos,
     }

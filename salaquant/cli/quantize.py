@@ -15,6 +15,7 @@ from .app import app, console, fail, interrupted
 from .options import (
     _GPTQ,
     _NVFP4,
+    Bos,
     Budget,
     Calib,
     ChunkTokens,
@@ -49,6 +50,7 @@ def calibrate(
     shuffle: Shuffle = _GPTQ.calibration.shuffle,
     seed: Seed = _GPTQ.calibration.seed,
     field: Field = _GPTQ.calibration.field,
+    bos: Bos = _GPTQ.calibration.bos,
     chunk_tokens: ChunkTokens = _GPTQ.engine.chunk_tokens,
     device: Device = _GPTQ.engine.device,
     hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
@@ -63,7 +65,13 @@ def calibrate(
 
     try:
         options = CalibOptions(
-            max_samples=max_samples, max_len=max_len, min_len=min_len, shuffle=shuffle, seed=seed, field=field
+            max_samples=max_samples,
+            max_len=max_len,
+            min_len=min_len,
+            shuffle=shuffle,
+            seed=seed,
+            field=field,
+            bos=bos,
         )
         run_calibrate(
             input,
@@ -95,6 +103,7 @@ def gptq_command(
     shuffle: Shuffle = _GPTQ.calibration.shuffle,
     seed: Seed = _GPTQ.calibration.seed,
     field: Field = _GPTQ.calibration.field,
+    bos: Bos = _GPTQ.calibration.bos,
     bits: Annotated[
         int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")
     ] = _GPTQ.quantization.bits,
@@ -148,7 +157,7 @@ def gptq_command(
     """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
     recipe = {
         "method": method,
-        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field),
+        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field, bos),
         "smoothing": {"enabled": smooth, "alpha": smooth_alpha},
         "quantization": {
             "bits": bits,
@@ -184,6 +193,7 @@ def nvfp4_command(
     shuffle: Shuffle = _NVFP4.calibration.shuffle,
     seed: Seed = _NVFP4.calibration.seed,
     field: Field = _NVFP4.calibration.field,
+    bos: Bos = _NVFP4.calibration.bos,
     dense_all: Annotated[
         bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")
     ] = _NVFP4.nvfp4.dense_all,
@@ -219,7 +229,7 @@ def nvfp4_command(
     modelopt_fp4."""
     recipe = {
         "method": "nvfp4",
-        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field),
+        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field, bos),
         "smoothing": {"enabled": not no_smooth, "alpha": smooth_alpha},
         "quantization": {"budget": budget},
         "nvfp4": {

@@ -37,7 +37,7 @@ class EvalText:
 def load_eval_text(data: str | None, tokenizer: Any, eos_id: int | None, field: str | None = None) -> EvalText:
     """Tokenize ``data`` (or the shipped sample) into one stream; raises ``CalibrationError`` on bad input."""
     source = data if data is not None else str(SHIPPED_SAMPLE)
-    texts = load_calibration([source], tokenizer, CalibOptions(max_len=sys.maxsize, field=field, add_bos=False))
+    texts = load_calibration([source], tokenizer, CalibOptions(max_len=sys.maxsize, field=field, bos=False))
     ids: list[int] = []
     for sample in texts.samples:
         ids.extend(sample.ids.tolist())
