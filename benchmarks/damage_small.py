@@ -26,12 +26,14 @@ TASKS = "niah_multikey,niah_multivalue,vt,cwe,fwe"
 EXPORTS = {
     "rtn": ["gptq", "--method", "rtn"],
     "gptq": ["gptq"],
+    "gptq-no-bos": ["gptq", "--no-bos"],
     "nvfp4": ["nvfp4"],
     "nvfp4-dense-all": ["nvfp4", "--dense-all"],
 }
 ROWS = (  # (row, export or None for the bf16 model itself, eval flags)
     ("RTN W4A16", "rtn", []),
     ("GPTQ W4A16 (default)", "gptq", []),
+    ("GPTQ W4A16, --no-bos", "gptq-no-bos", []),
     ("NVFP4 W4A4", "nvfp4", ["--activations", "fp4"]),
     ("NVFP4 weight-only", "nvfp4", ["--activations", "bf16"]),
     ("NVFP4 dense-all W4A4", "nvfp4-dense-all", ["--activations", "fp4"]),
