@@ -1,5 +1,7 @@
 import pytest
 import torch
+from gla_checks import assert_close_scaled as _close
+from gla_checks import gla_inputs
 
 from salaquant.model.gla import (
     alibi_slopes,
@@ -15,19 +17,7 @@ G_GAMMA = torch.tensor([-0.84, -0.1, -0.004])
 
 
 def _inputs(t: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, t, H, DK, generator=gen).to(dtype)
-    k = torch.randn(B, t, H, DK, generator=gen).to(dtype)
-    v = torch.randn(B, t, H, DV, generator=gen).to(dtype)
-    s0 = torch.randn(B, H, DK, DV, generator=gen)
-    return q, k, v, s0
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    assert actual.dtype == torch.float32
-    assert actual.shape == expected.shape
-    atol = rel * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+    return gla_inputs(B, t, H, DK, DV, dtype=dtype, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("t", [1, 5, 64, 100, 200])

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+from gla_checks import assert_close_scaled as _close
+from gla_checks import gla_inputs
 
 from salaquant.model import gla as ref
 
@@ -44,19 +46,7 @@ def poison(monkeypatch: pytest.MonkeyPatch) -> None:
 def _inputs(
     t: int, dk: int = 16, dv: int = 32, dtype: torch.dtype = torch.float32, device: str = "cpu", heads: int = H
 ) -> tuple[torch.Tensor, ...]:
-    q = torch.randn(B, t, heads, dk, device=device).to(dtype)
-    k = torch.randn(B, t, heads, dk, device=device).to(dtype)
-    v = torch.randn(B, t, heads, dv, device=device).to(dtype)
-    s0 = torch.randn(B, heads, dk, dv, device=device)
-    return q, k, v, s0
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    assert actual.dtype == torch.float32
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all()
-    atol = rel * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+    return gla_inputs(B, t, heads, dk, dv, dtype=dtype, device=device)
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -340,10 +330,7 @@ def test_imports_without_triton() -> None:
 
 def _sala_inputs(t: int, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     heads, d = 32, 128
-    q = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
-    k = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
-    v = torch.randn(batch, t, heads, d, device="cuda").to(dtype)
-    s0 = torch.randn(batch, heads, d, d, device="cuda")
+    q, k, v, s0 = gla_inputs(batch, t, heads, d, d, dtype=dtype, device="cuda")
     g = -ref.alibi_slopes(heads).cuda()
     return q, k, v, s0, g
 
