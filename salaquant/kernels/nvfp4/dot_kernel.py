@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..split_k import finish_split_k, k_slice
+from ..tile_order import grouped_tile
 
 __all__ = ["nvfp4_dequant_kernel", "nvfp4_dot_kernel"]
 
@@ -155,13 +156,7 @@ def nvfp4_dot_kernel(
     time across all of M."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_N * num_m
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_m = (pid % per_group) // group_size
+    pid_n, pid_m = grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M), GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..tile_order import grouped_tile
 from .autotune import INTERPRET, bench, config
 
 __all__ = ["TILED_CONFIGS", "prune_tiled", "tiled_kernel"]
@@ -77,14 +78,7 @@ def tiled_kernel(
     dtype = x_ptr.dtype.element_ty
 
     # Grouped launch order: GROUP_M row tiles sweep the column tiles together, so weight tiles stay in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows_here
-    pid_n = (pid % width) // rows_here
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
