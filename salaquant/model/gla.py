@@ -69,6 +69,22 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_stat
         )
 
 
+def _start(
+    q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None
+) -> tuple[tuple[int, int, int, int, int], Tensor]:
+    """What every reference form starts from: the checked sizes ``(B, T, H, K, V)`` and the fp32 state
+    ``[B, H, K, V]`` before the first token (a fresh copy of ``initial_state``, so that the caller's tensor is
+    never the returned final state; zeros when it is not given)."""
+    _check_inputs(q, k, v, g_gamma, initial_state)
+    b_size, t_size, h_size, dk = q.shape
+    dv = v.shape[-1]
+    if initial_state is None:
+        state = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
+    else:
+        state = initial_state.float().clone()
+    return (b_size, t_size, h_size, dk, dv), state
+
+
 def naive_recurrent_gla(
     q: Tensor,
     k: Tensor,
@@ -79,18 +95,13 @@ def naive_recurrent_gla(
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Literal token-by-token recurrence, one (batch, head) pair at a time. Test oracle."""
-    _check_inputs(q, k, v, g_gamma, initial_state)
-    b_size, t_size, h_size, dk = q.shape
-    dv = v.shape[-1]
+    (b_size, t_size, h_size, dk, dv), start = _start(q, k, v, g_gamma, initial_state)
     o = torch.zeros(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
     final = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
     for b in range(b_size):
         for h in range(h_size):
             decay = math.exp(float(g_gamma[h]))
-            if initial_state is None:
-                s = torch.zeros(dk, dv, dtype=torch.float32, device=q.device)
-            else:
-                s = initial_state[b, h].float().clone()
+            s = start[b, h]
             for t in range(t_size):
                 q_t = q[b, t, h].float()
                 k_t = k[b, t, h].float()
@@ -111,15 +122,9 @@ def recurrent_gla(
     output_final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Recurrent (decode) form: loop over T, vectorised over batch and heads."""
-    _check_inputs(q, k, v, g_gamma, initial_state)
-    b_size, t_size, h_size, dk = q.shape
-    dv = v.shape[-1]
+    (b_size, t_size, h_size, _, dv), s = _start(q, k, v, g_gamma, initial_state)
     qf, kf, vf = q.float(), k.float(), v.float()
     decay = torch.exp(g_gamma.float().to(q.device)).view(1, h_size, 1, 1)
-    if initial_state is None:
-        s = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
-    else:
-        s = initial_state.float().clone()
     o = torch.empty(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
     for t in range(t_size):
         s = decay * s + kf[:, t, :, :, None] * vf[:, t, :, None, :]
@@ -147,21 +152,15 @@ def chunk_gla(
 
     Every decay factor is ``exp`` of a non-positive number, so nothing overflows.
     """
-    _check_inputs(q, k, v, g_gamma, initial_state)
+    (b_size, t_size, h_size, _, dv), state = _start(q, k, v, g_gamma, initial_state)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    b_size, t_size, h_size, dk = q.shape
-    dv = v.shape[-1]
     device = q.device
     # [B, H, T, D] in fp32
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2)
     vf = v.float().transpose(1, 2)
     g = g_gamma.float().to(device).view(h_size, 1, 1)
-    if initial_state is None:
-        state = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=device)
-    else:
-        state = initial_state.float().clone()
     o = torch.empty(b_size, h_size, t_size, dv, dtype=torch.float32, device=device)
 
     for start in range(0, t_size, chunk_size):

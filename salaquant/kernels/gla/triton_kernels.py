@@ -356,6 +356,13 @@ def _prepare(
     return q, k, v, g, initial_state
 
 
+def _output(q: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[tuple[int, int, int, int, int], Tensor]:
+    """The sizes ``(B, T, H, K, V)`` of the prepared inputs and the uninitialised output ``o [B, T, H, V]``."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    return (b, t, h, dk, dv), torch.empty(b, t, h, dv, dtype=dtype, device=q.device)
+
+
 def _tuned(
     device: torch.device, dk: int, dv: int, dtype: torch.dtype, out_dtype: torch.dtype
 ) -> tuple[Config, Config] | None:
@@ -400,9 +407,7 @@ def chunk_fwd(
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    o = torch.empty(b, t, h, dv, dtype=out_dtype, device=q.device)
+    (b, t, h, dk, dv), o = _output(q, v, out_dtype)
     if t == 0:
         if not output_final_state:
             return o, None
@@ -506,9 +511,7 @@ def recurrent_fwd(
     ``initial_state`` itself, updated in place (each program reads its state tile before it writes the same tile).
     """
     q, k, v, g, h0 = _prepare(q, k, v, g_gamma, initial_state)
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    o = torch.empty(b, t, h, dv, dtype=torch.float32, device=q.device)
+    (b, t, h, dk, dv), o = _output(q, v, torch.float32)
     ht = None
     if state_out is not None:
         if state_out.shape != (b, h, dk, dv) or state_out.dtype != torch.float32 or not state_out.is_contiguous():
