@@ -142,11 +142,17 @@ def _partials(x: Tensor, splits: int, m: int, n: int) -> Tensor:
     return part
 
 
-def _fixed_split_k(x: Tensor, m: int, n: int, k: int, block_n: int, block_k: int, split_k: int | None, min_tiles: int):
-    """Grid ``(column tiles, splits)``, fp32 partials and counters of a split-K launch with fixed tiles."""
+def _split_k_grid(x: Tensor, m: int, n: int, block_n: int, splits: int):
+    """Grid ``(column tiles, splits)``, fp32 partials and counters of a split-K launch of ``block_n``-column
+    tiles."""
     n_tiles = cdiv(n, block_n)
-    splits = _split_count(n_tiles, cdiv(k, block_k), _sm_count(x.device), split_k, min_tiles)
     return (n_tiles, splits), _partials(x, splits, m, n), arrival_counters(x.device, n_tiles)
+
+
+def _fixed_split_k(x: Tensor, m: int, n: int, k: int, block_n: int, block_k: int, split_k: int | None, min_tiles: int):
+    """``_split_k_grid`` of a launch with fixed tiles, split by ``_split_count``."""
+    splits = _split_count(cdiv(n, block_n), cdiv(k, block_k), _sm_count(x.device), split_k, min_tiles)
+    return _split_k_grid(x, m, n, block_n, splits)
 
 
 def _split_k_run(kernel, config, x, qweight, scales, y, split_k, *args, **meta) -> None:
@@ -373,11 +379,8 @@ def matmul_flat(
     if block_k % pack or block_k < pack or (gs > 0 and gs % pack):
         raise ValueError(f"block_k={block_k} must be a multiple of {pack}")
     y = _output(out, m, n, x)
-    n_tiles = cdiv(n, block_n)
-    splits = cdiv(cdiv(k, block_k), tiles)
-    part = _partials(x, splits, m, n)
-    cnt = arrival_counters(x.device, n_tiles)
-    flat_kernel[(n_tiles, splits)](
+    grid, part, cnt = _split_k_grid(x, m, n, block_n, cdiv(cdiv(k, block_k), tiles))
+    flat_kernel[grid](
         x,
         qweight,
         scales,
