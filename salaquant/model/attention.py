@@ -46,9 +46,13 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def project_qkv(attn: nn.Module, x: torch.Tensor, *extra: str) -> list[torch.Tensor]:
-    """q, k, v of ``x`` ``[B, T, *]`` and the outputs of the ``extra`` linears of the same input (fused or not:
+    """q ``[B, T, num_heads, head_dim]``, k and v ``[B, T, num_kv_heads, head_dim]`` (the sizes of ``attn``) of
+    ``x`` ``[B, T, *]``, then the outputs of the ``extra`` linears of the same input (fused or not:
     ``fused_outputs``), each contiguous, so that no cache or later use keeps a whole fused product alive."""
-    return [p.contiguous() for p in fused_outputs(attn, x, ("q_proj", "k_proj", "v_proj", *extra))]
+    b, t, _ = x.shape
+    q, k, v, *rest = [p.contiguous() for p in fused_outputs(attn, x, ("q_proj", "k_proj", "v_proj", *extra))]
+    kv_shape = (b, t, attn.num_kv_heads, attn.head_dim)
+    return [q.view(b, t, attn.num_heads, attn.head_dim), k.view(kv_shape), v.view(kv_shape), *rest]
 
 
 class SparseAttention(nn.Module):
@@ -97,9 +101,6 @@ class SparseAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, *gate = project_qkv(self, x, *(("o_gate",) if self.use_gate else ()))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             assert rope is not None
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -184,9 +185,6 @@ class LightningAttention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, *gate = project_qkv(self, x, *(("z_proj",) if self.use_gate else ()))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
