@@ -117,6 +117,17 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: obj
     return list(seen.values())
 
 
+@triton.jit
+def _initial_state(h0_ptrs, mask, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr):
+    """The fp32 ``[BK, BV]`` state tile a program starts from: loaded at ``h0_ptrs`` (``mask``: the tile's part inside
+    ``[K, V]``) when there is an initial state, zeros otherwise."""
+    if USE_H0:  # noqa: SIM108 (a constexpr branch)
+        state = tl.load(h0_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    return state
+
+
 @triton.autotune(
     configs=_triton_configs(STATE_CONFIGS),
     key=["K", "V", "UPCAST"],
@@ -163,10 +174,7 @@ def _chunk_state_kernel(
     off_kv = o_k[:, None] * V + o_v[None, :]
     pos = tl.arange(0, BT)
 
-    if USE_H0:
-        state = tl.load(h0_ptr + i_bh * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BK, BV], dtype=tl.float32)
+    state = _initial_state(h0_ptr + i_bh * K * V + off_kv, m_kv, BK, BV, USE_H0)
 
     k_base = k_ptr + i_b * s_kb + i_h * s_kh
     v_base = v_ptr + i_b * s_vb + i_h * s_vh
@@ -315,10 +323,7 @@ def _recurrent_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     off_kv = o_k[:, None] * V + o_v[None, :]
 
-    if USE_H0:
-        state = tl.load(h0_ptr + i_bh * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BK, BV], dtype=tl.float32)
+    state = _initial_state(h0_ptr + i_bh * K * V + off_kv, m_kv, BK, BV, USE_H0)
 
     # per-token pointers advance by increments (64-bit), never t * stride in int32
     p_q = q_ptr + i_b * s_qb + i_h * s_qh + o_k
@@ -438,12 +443,8 @@ def chunk_fwd(
         t,
         h,
         nc,
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
+        *k.stride()[:3],
+        *v.stride()[:3],
         K=dk,
         V=dv,
         BT=CHUNK,
@@ -468,15 +469,9 @@ def chunk_fwd(
         t,
         h,
         nc,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
         K=dk,
         V=dv,
         BT=CHUNK,
@@ -534,15 +529,9 @@ def recurrent_fwd(
         float(scale),
         t,
         h,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
         K=dk,
         V=dv,
         BK=bk,
