@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from salaquant.gptq.solver import GPTQConfig, gptq, mse_scales
-from salaquant.kernels.gptq import best_scale, gptq_columns, gptq_columns_reference
+from salaquant.kernels.gptq import ColumnBlock, best_scale, gptq_columns, gptq_columns_reference
 
 pytestmark = pytest.mark.random_inputs
 
@@ -34,7 +34,7 @@ def _sweep(backend: str, w: torch.Tensor, scale: torch.Tensor, hinv: torch.Tenso
     w1 = w.clone()
     codes = torch.full(w.shape, -7, dtype=torch.int32, device=w.device)
     err = torch.full_like(w, 123.0)
-    gptq_columns(w1, codes, err, scale, hinv, start, stop, 8, 15, backend=backend)
+    gptq_columns(ColumnBlock(w1, codes, err, hinv, 8, 15), scale, start, stop, backend=backend)
     return w1, codes, err
 
 
@@ -84,7 +84,7 @@ def test_e2m1_kernel_equals_reference(r: int, c: int, start: int, stop: int) -> 
     outs = []
     for backend in ("triton", "reference"):
         w1, codes, err = w.clone(), torch.full(w.shape, -7, dtype=torch.int32), torch.full_like(w, 123.0)
-        gptq_columns(w1, codes, err, steps, hinv, start, stop, 0, 0, backend=backend, e2m1=True)
+        gptq_columns(ColumnBlock(w1, codes, err, hinv, e2m1=True), steps, start, stop, backend=backend)
         outs.append((w1, codes, err))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
@@ -106,7 +106,7 @@ def test_e2m1_kernel_rounds_as_the_format() -> None:
     w = ratios[None, :].repeat(3, 1) * 0.125
     steps = torch.full((3, 16), 0.125)
     codes = torch.zeros(3, 16, dtype=torch.int32)
-    gptq_columns(w.clone(), codes, torch.zeros_like(w), steps, torch.eye(16), 0, 16, 0, 0, "triton", e2m1=True)
+    gptq_columns(ColumnBlock(w.clone(), codes, torch.zeros_like(w), torch.eye(16), e2m1=True), steps, 0, 16, "triton")
     assert torch.equal(codes[0], e2m1_codes(ratios).to(torch.int32))
     assert codes[0].tolist()[:7] == [0, 2, 2, 4, 4, 6, 6]
 
@@ -119,7 +119,7 @@ def test_reference_is_the_column_recursion() -> None:
     codes = torch.zeros(2, 3, dtype=torch.int32)
     err = torch.zeros(2, 3)
     w1 = w.clone()
-    gptq_columns_reference(w1, codes, err, s, hinv, 0, 3, 8, 15)
+    gptq_columns_reference(ColumnBlock(w1, codes, err, hinv, 8, 15), s, 0, 3)
     ww = w.clone()
     for j in range(3):
         q = torch.clamp(torch.round(ww[:, j] / s) + 8, 0, 15)
@@ -136,11 +136,11 @@ def test_bad_operands() -> None:
     w, scale, hinv = _operands(8, 16, False, seed=0)
     codes = torch.zeros(8, 16, dtype=torch.int32)
     with pytest.raises(ValueError, match="backend must be one of"):
-        gptq_columns(w, codes, w.clone(), scale, hinv, 0, 16, 8, 15, backend="cuda")
+        gptq_columns(ColumnBlock(w, codes, w.clone(), hinv, 8, 15), scale, 0, 16, backend="cuda")
     with pytest.raises(ValueError, match="scale"):
-        gptq_columns(w, codes, w.clone(), scale[:4], hinv, 0, 16, 8, 15)
+        gptq_columns(ColumnBlock(w, codes, w.clone(), hinv, 8, 15), scale[:4], 0, 16)
     with pytest.raises(ValueError, match="int32"):
-        gptq_columns(w, codes.long(), w.clone(), scale, hinv, 0, 16, 8, 15)
+        ColumnBlock(w, codes.long(), w.clone(), hinv, 8, 15)
     with pytest.raises(ValueError, match="backend"):
         GPTQConfig(backend="fast")
 

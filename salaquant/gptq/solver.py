@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.gptq import BACKENDS, best_scale, gptq_columns
+from ..kernels.gptq import BACKENDS, ColumnBlock, best_scale, gptq_columns
 from ..settings import defaults
 
 _FP16 = torch.finfo(torch.float16)
@@ -251,10 +251,10 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig | None 
         i2 = min(i1 + config.block_size, n)
         w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
         err1 = torch.zeros_like(w1)
-        block_codes = codes[:, i1:i2]
+        block = ColumnBlock(w1, codes[:, i1:i2], err1, hinv1, zero, maxq)
         if group_of is not None:  # static groups: every column's scale is known
             per_col = scales[group_of[i1:i2]].T.to(dtype).contiguous()
-            gptq_columns(w1, block_codes, err1, per_col, hinv1, 0, i2 - i1, zero, maxq, config.backend)
+            gptq_columns(block, per_col, 0, i2 - i1, config.backend)
         else:
             i = 0
             while i < i2 - i1:
@@ -267,7 +267,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig | None 
                         group = torch.cat([group, rest], dim=1)
                     scales[col // gs] = scale = _group_scale(group, config)
                 stop = min(i2, (col // gs + 1) * gs) - i1  # the rest of this group inside the block
-                gptq_columns(w1, block_codes, err1, scale.to(dtype), hinv1, i, stop, zero, maxq, config.backend)
+                gptq_columns(block, scale.to(dtype), i, stop, config.backend)
                 i = stop
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 

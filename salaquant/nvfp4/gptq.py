@@ -26,7 +26,7 @@ from ..formats.modelopt_nvfp4.numerics import (
     scalar_scale,
 )
 from ..gptq.solver import GPTQConfig, inverse_cholesky, row_weighted_errors
-from ..kernels.gptq import gptq_columns
+from ..kernels.gptq import ColumnBlock, gptq_columns
 from ..settings import defaults
 from .search import search_block_scales
 
@@ -114,9 +114,9 @@ def gptq_nvfp4(
         i2 = min(i1 + block_size, n)
         w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
         err1 = torch.zeros_like(w1)
+        block = ColumnBlock(w1, codes[:, i1:i2], err1, hinv1, e2m1=True)
         if block_scale is not None:  # every column's step is known: one sweep over the block
-            gptq_columns(w1, codes[:, i1:i2], err1, _steps(scale, s2, i1, i2, dtype), hinv1, 0, i2 - i1, 0, 0,
-                         backend, e2m1=True)  # fmt: skip
+            gptq_columns(block, _steps(scale, s2, i1, i2, dtype), 0, i2 - i1, backend)
         else:
             for b0 in range(0, i2 - i1, BLOCK):  # the block's columns as every earlier column's error left them
                 col = i1 + b0
@@ -125,7 +125,7 @@ def gptq_nvfp4(
                     w1[:, b0 : b0 + BLOCK].float(), s2, imp[col : col + BLOCK], mse_iters, mse_max_shrink
                 )
                 steps = _steps(scale, s2, i1, i2, dtype)
-                gptq_columns(w1, codes[:, i1:i2], err1, steps, hinv1, b0, b0 + BLOCK, 0, 0, backend, e2m1=True)
+                gptq_columns(block, steps, b0, b0 + BLOCK, backend)
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     result = NVFP4Weight(weight=pack_nibbles(codes.to(torch.uint8)), weight_scale=scale, weight_scale_2=s2)

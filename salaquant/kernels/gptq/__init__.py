@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..backend import BACKENDS, use_triton
+from .block import ColumnBlock
 from .reference import best_scale_reference, gptq_columns_reference
 
-__all__ = ["BACKENDS", "best_scale", "best_scale_reference", "gptq_columns", "gptq_columns_reference"]
+__all__ = ["BACKENDS", "ColumnBlock", "best_scale", "best_scale_reference", "gptq_columns", "gptq_columns_reference"]
 
 MAX_COLUMNS = 256
 """Widest block the column-sweep kernel takes (its tile lives in registers); ``auto`` uses the reference beyond."""
@@ -32,44 +33,19 @@ def _use_triton(backend: str, w: torch.Tensor, max_columns: int) -> bool:
     return triton
 
 
-def _check(w1: torch.Tensor, codes: torch.Tensor, err: torch.Tensor, scale: torch.Tensor, hinv1: torch.Tensor) -> None:
-    r, c = w1.shape
-    if codes.shape != (r, c) or err.shape != (r, c) or hinv1.shape != (c, c):
-        raise ValueError(
-            f"w1 {tuple(w1.shape)}, codes {tuple(codes.shape)}, err {tuple(err.shape)}, hinv1 {tuple(hinv1.shape)}: "
-            "expected [R, C], [R, C], [R, C], [C, C]"
-        )
-    if scale.shape not in ((r,), (r, c)):
-        raise ValueError(f"scale {tuple(scale.shape)}: expected [{r}] or [{r}, {c}]")
-    if codes.dtype != torch.int32 or err.dtype != w1.dtype or scale.dtype != w1.dtype or hinv1.dtype != w1.dtype:
-        raise ValueError("codes must be int32 and err, scale, hinv1 of w1's dtype")
-
-
-def gptq_columns(
-    w1: torch.Tensor,
-    codes: torch.Tensor,
-    err: torch.Tensor,
-    scale: torch.Tensor,
-    hinv1: torch.Tensor,
-    start: int,
-    stop: int,
-    zero: int,
-    maxq: int,
-    backend: str = "auto",
-    e2m1: bool = False,
-) -> None:
-    """Quantize columns ``start .. stop - 1`` of the block ``w1 [R, C]`` in order, in place, on the integer grid
-    or (``e2m1``) NVFP4's (see ``reference.gptq_columns_reference`` for the exact arithmetic)."""
-    _check(w1, codes, err, scale, hinv1)
-    if not _use_triton(backend, w1, MAX_COLUMNS):
-        gptq_columns_reference(w1, codes, err, scale, hinv1, start, stop, zero, maxq, e2m1)
+def gptq_columns(block: ColumnBlock, scale: torch.Tensor, start: int, stop: int, backend: str = "auto") -> None:
+    """Quantize columns ``start .. stop - 1`` of ``block`` in order, in place, with the steps ``scale`` (see
+    ``reference.gptq_columns_reference`` for the exact arithmetic)."""
+    block.check_scale(scale)
+    if not _use_triton(backend, block.w1, MAX_COLUMNS):
+        gptq_columns_reference(block, scale, start, stop)
         return
-    for t in (w1, codes, err, hinv1, scale):
+    for t in (block.w1, block.codes, block.err, block.hinv1, scale):
         if t.stride(-1) != 1:
             raise ValueError("every operand needs unit stride along its last dimension")
     from .triton_kernels import gptq_columns_triton
 
-    gptq_columns_triton(w1, codes, err, scale, hinv1, start, stop, zero, maxq, e2m1)
+    gptq_columns_triton(block, scale, start, stop)
 
 
 SEARCH_BATCH_ELEMENTS = 1 << 20

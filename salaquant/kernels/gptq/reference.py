@@ -21,31 +21,21 @@ from __future__ import annotations
 import torch
 
 from ...formats.modelopt_nvfp4.numerics import e2m1_codes, e2m1_values
+from .block import ColumnBlock
 
 
-def gptq_columns_reference(
-    w1: torch.Tensor,
-    codes: torch.Tensor,
-    err: torch.Tensor,
-    scale: torch.Tensor,
-    hinv1: torch.Tensor,
-    start: int,
-    stop: int,
-    zero: int,
-    maxq: int,
-    e2m1: bool = False,
-) -> None:
-    """Columns ``start .. stop - 1`` of the block, in place: ``codes`` (int32 ``[R, C]``) and ``err`` (``[R, C]``)
-    receive those columns; ``w1`` is updated on columns ``>= start``. ``scale`` is ``[R]`` (one scale per row
-    for every column of the range) or ``[R, C]`` (a scale per row and column); same dtype as ``w1``. ``e2m1``:
-    NVFP4's grid (``zero`` and ``maxq`` unused)."""
+def gptq_columns_reference(block: ColumnBlock, scale: torch.Tensor, start: int, stop: int) -> None:
+    """Columns ``start .. stop - 1`` of the block, in place: ``codes`` and ``err`` receive those columns; ``w1`` is
+    updated on columns ``>= start``. ``scale`` is ``[R]`` (one scale per row for every column of the range) or
+    ``[R, C]`` (a scale per row and column)."""
+    w1, codes, err, hinv1, zero = block.w1, block.codes, block.err, block.hinv1, block.zero
     for j in range(start, stop):
         s = scale if scale.dim() == 1 else scale[:, j]
-        if e2m1:
+        if block.e2m1:
             q = e2m1_codes(w1[:, j] / s)
             e = (w1[:, j] - e2m1_values(q).to(w1.dtype) * s) / hinv1[j, j]
         else:
-            q = (torch.round(w1[:, j] / s) + zero).clamp(0, maxq)
+            q = (torch.round(w1[:, j] / s) + zero).clamp(0, block.maxq)
             e = (w1[:, j] - (q - zero) * s) / hinv1[j, j]
         w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
         codes[:, j] = q.to(torch.int32)

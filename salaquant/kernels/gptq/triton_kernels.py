@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..host import cdiv, next_power_of_2
+from .block import ColumnBlock
 
 BLOCK_R = 16
 
@@ -107,18 +108,8 @@ def _gptq_columns_kernel(
     tl.store(W + rows[:, None] * stride_w + cols[None, :], w, mask=tile & (cols[None, :] >= start))
 
 
-def gptq_columns_triton(
-    w1: torch.Tensor,
-    codes: torch.Tensor,
-    err: torch.Tensor,
-    scale: torch.Tensor,
-    hinv1: torch.Tensor,
-    start: int,
-    stop: int,
-    zero: int,
-    maxq: int,
-    e2m1: bool = False,
-) -> None:
+def gptq_columns_triton(block: ColumnBlock, scale: torch.Tensor, start: int, stop: int) -> None:
+    w1, codes, err, hinv1 = block.w1, block.codes, block.err, block.hinv1
     r, c = w1.shape
     if stop <= start or r == 0:
         return
@@ -138,10 +129,10 @@ def gptq_columns_triton(
         err.stride(0),
         scale.stride(0),
         hinv1.stride(0),
-        float(zero),
-        float(maxq),
+        float(block.zero),
+        float(block.maxq),
         PER_COLUMN=scale.dim() == 2,
-        E2M1=e2m1,
+        E2M1=block.e2m1,
         BLOCK_R=BLOCK_R,
         BLOCK_C=max(16, next_power_of_2(c)),
         num_warps=4,
