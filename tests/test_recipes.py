@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from salaquant.cli import app
 from salaquant.recipe import RecipeError, load_recipe, shipped_recipes
@@ -146,43 +146,17 @@ def test_empty_sources_refused_before_work(tmp_path: Path) -> None:
 
 def test_eval_gate_sets_exit_code(tmp_path: Path) -> None:
     gate = ["--set", f"eval.data={HELDOUT}", "--set", "eval.seq_len=256", "--set", "eval.windows=2"]
-    ok = runner.invoke(
-        app,
-        [
-            "run",
-            "rtn-w4a16",
-            "-i",
-            MODEL,
-            "-o",
-            str(tmp_path / "ok"),
-            "--calib",
-            CALIB,
-            *SMALL,
-            *gate,
-            "--set",
-            "eval.max_ppl_increase=0.5",
-        ],
-    )
+
+    def gated(out: str, *extra: str) -> Result:
+        """``run rtn-w4a16`` into ``tmp_path / out`` with the small calibration, the gate and ``extra``."""
+        args = ["run", "rtn-w4a16", "-i", MODEL, "-o", str(tmp_path / out), "--calib", CALIB, *SMALL, *gate]
+        return runner.invoke(app, [*args, *extra])
+
+    ok = gated("ok", "--set", "eval.max_ppl_increase=0.5")
     assert ok.exit_code == 0, ok.output
     result = json.loads((tmp_path / "ok" / "eval_gate.json").read_text())
     assert result["passed"] and result["kl"] > 0 and result["ppl_quantized"] > 0
-    bad = runner.invoke(
-        app,
-        [
-            "run",
-            "rtn-w4a16",
-            "-i",
-            MODEL,
-            "-o",
-            str(tmp_path / "bad"),
-            "--calib",
-            CALIB,
-            *SMALL,
-            *gate,
-            "--set",
-            "eval.max_kl=0.0",
-        ],
-    )
+    bad = gated("bad", "--set", "eval.max_kl=0.0")
     assert bad.exit_code == 3 and "eval gate failed" in bad.output and "KL" in bad.output
     # the failed export is kept only under a name that says so; -o is not written
     out = " ".join(bad.output.split())
@@ -191,8 +165,7 @@ def test_eval_gate_sets_exit_code(tmp_path: Path) -> None:
     assert not json.loads((tmp_path / "bad.gate-failed" / "eval_gate.json").read_text())["passed"]
     # a failed gate over an existing good export leaves that export as it was
     before = (tmp_path / "ok" / "model.safetensors").read_bytes()
-    args = ["run", "rtn-w4a16", "-i", MODEL, "-o", str(tmp_path / "ok"), "--calib", CALIB, *SMALL, *gate]
-    again = runner.invoke(app, [*args, "--set", "eval.max_kl=0.0", "--set", "calibration.seed=1", "--overwrite"])
+    again = gated("ok", "--set", "eval.max_kl=0.0", "--set", "calibration.seed=1", "--overwrite")
     assert again.exit_code == 3, again.output
     assert json.loads((tmp_path / "ok" / "eval_gate.json").read_text())["passed"]
     assert (tmp_path / "ok" / "model.safetensors").read_bytes() == before
