@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from ..settings import defaults
+from ..settings import Recipe, defaults
+from .blocks import FlagBlock
 
 _GPTQ, _NVFP4 = defaults("gptq"), defaults("nvfp4")  # every flag's default comes from the settings
 
@@ -27,7 +28,6 @@ Resume = Annotated[bool, typer.Option(help="Continue an interrupted run from its
 Overwrite = Annotated[
     bool, typer.Option(help="Replace an output folder salaquant wrote (one holding other files is never replaced).")
 ]
-ShardSize = Annotated[str, typer.Option(help="Largest output shard, e.g. 4GB.")]
 SmoothAlpha = Annotated[float, typer.Option(help="SmoothQuant migration strength.")]
 NoSmooth = Annotated[bool, typer.Option("--no-smooth", help="Skip SmoothQuant.")]
 Exclude = Annotated[list[str] | None, typer.Option(help="Keep linears matching this regex in bf16.")]
@@ -41,23 +41,36 @@ Calib = Annotated[list[str], typer.Option(help="Calibration source(s): .jsonl, t
 SaveRecipe = Annotated[Path | None, typer.Option(help="Write the recipe these flags imply to this YAML file.")]
 
 
-def calibration_flags(
-    sources: list[str],
-    max_samples: int | None,
-    max_len: int,
-    min_len: int,
-    shuffle: bool,
-    seed: int,
-    field: str | None,
-    bos: bool,
-) -> dict[str, Any]:
-    return {
-        "sources": sources,
-        "max_samples": max_samples,
-        "max_len": max_len,
-        "min_len": min_len,
-        "shuffle": shuffle,
-        "seed": seed,
-        "field": field,
-        "bos": bos,
-    }
+def _from(section: Any, **annotations: Any) -> FlagBlock:
+    """A block of ``section``'s keys, each flag's default the section's value."""
+    return FlagBlock(tuple((name, a, getattr(section, name)) for name, a in annotations.items()))
+
+
+def calibration_block(settings: Recipe, max_samples: int | None) -> FlagBlock:
+    """How samples are read: the ``calibration`` keys but ``sources`` (``--calib``, required) and ``max_samples``
+    (every sample for ``calibrate``, the method's default for a quantizer)."""
+    c = settings.calibration
+    block = _from(c, max_len=MaxLen, min_len=MinLen, shuffle=Shuffle, seed=Seed, field=Field, bos=Bos)
+    return FlagBlock((("max_samples", MaxSamples, max_samples), *block.flags))
+
+
+def engine_block(settings: Recipe, propagate: bool = True) -> FlagBlock:
+    """The calibration engine's keys (``propagate`` only where the layers are quantized as they go)."""
+    if propagate:
+        return _from(settings.engine, propagate=Propagate, chunk_tokens=ChunkTokens, device=Device)
+    return _from(settings.engine, chunk_tokens=ChunkTokens, device=Device)
+
+
+def section_block(settings: Recipe, section: str, table: tuple[tuple[Any, ...], ...]) -> FlagBlock:
+    """Flags of the keys of one settings section, ``(key, type, help)`` or ``(key, type, help, declarations)``
+    each: the default is the section's value in ``settings``, the flag ``--key`` unless declarations are given."""
+    values = getattr(settings, section)
+    flags = []
+    for key, kind, text, *decls in table:
+        option = typer.Option(*(decls[0] if decls else ()), help=text)
+        flags.append((key, Annotated[kind, option], getattr(values, key)))
+    return FlagBlock(tuple(flags))
+
+
+RUN_BLOCK = FlagBlock((("resume", Resume, False), ("overwrite", Overwrite, False)))
+"""What a command that writes a folder does with one already there."""

@@ -12,51 +12,38 @@ from rich.table import Table
 from ..io.files import CheckpointError
 from ..settings import SMOOTH_BY_DEFAULT
 from .app import app, console, fail, interrupted
+from .blocks import Flags, with_blocks
 from .options import (
     _GPTQ,
     _NVFP4,
-    Bos,
+    RUN_BLOCK,
     Budget,
     Calib,
-    ChunkTokens,
-    Device,
     Exclude,
-    Field,
     Input,
-    MaxLen,
-    MaxSamples,
-    MinLen,
     NoSmooth,
-    Overwrite,
-    Propagate,
-    Resume,
     SaveRecipe,
-    Seed,
-    ShardSize,
-    Shuffle,
     SmoothAlpha,
-    calibration_flags,
+    calibration_block,
+    engine_block,
+    section_block,
 )
 
 
 @app.command()
+@with_blocks(
+    calibration=calibration_block(_GPTQ, None), engine=engine_block(_GPTQ, propagate=False), existing=RUN_BLOCK
+)
 def calibrate(
+    *,
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the statistics.")],
     calib: Calib,
-    max_samples: MaxSamples = None,
-    max_len: MaxLen = _GPTQ.calibration.max_len,
-    min_len: MinLen = _GPTQ.calibration.min_len,
-    shuffle: Shuffle = _GPTQ.calibration.shuffle,
-    seed: Seed = _GPTQ.calibration.seed,
-    field: Field = _GPTQ.calibration.field,
-    bos: Bos = _GPTQ.calibration.bos,
-    chunk_tokens: ChunkTokens = _GPTQ.engine.chunk_tokens,
-    device: Device = _GPTQ.engine.device,
+    calibration: Flags,
+    engine: Flags,
     hessian: Annotated[bool, typer.Option(help="Also keep X^T X per input group (d^2 floats each).")] = False,
     hessian_dtype: Annotated[str, typer.Option(help="fp32 or fp64 accumulation.")] = "fp32",
-    resume: Resume = False,
-    overwrite: Overwrite = False,
+    existing: Flags,
 ) -> None:
     """Run the calibration engine (forced dense, layer by layer) and save per-layer input statistics."""
     from ..calibration.calib_data import CalibOptions
@@ -64,26 +51,15 @@ def calibrate(
     from ..work_folder import RunInterrupted
 
     try:
-        options = CalibOptions(
-            max_samples=max_samples,
-            max_len=max_len,
-            min_len=min_len,
-            shuffle=shuffle,
-            seed=seed,
-            field=field,
-            bos=bos,
-        )
         run_calibrate(
             input,
             output,
             calib,
-            options,
-            chunk_tokens=chunk_tokens,
-            device=device,
+            CalibOptions(**calibration),
+            **engine,
             hessian=hessian,
             hessian_dtype=hessian_dtype,
-            resume=resume,
-            overwrite=overwrite,
+            **existing,
             console=console,
         )
     except RunInterrupted as exc:
@@ -92,159 +68,119 @@ def calibrate(
         fail(str(exc))
 
 
+SHARD_HELP = "Largest output shard, e.g. 4GB."
+GPTQ_QUANTIZATION = (
+    ("bits", int, "Bits of every decoder linear (4 or 8; 16 keeps bf16)."),
+    ("group_size", int, "Inputs per scale group: -1, 32, 64 or 128."),
+    ("minicpm4_bits", int | None, "Bits of the minicpm4 (sparse) layers."),
+    ("lightning_bits", int | None, "Bits of the lightning layers."),
+    ("layer_bits", str, 'Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).'),
+)
+GPTQ_SOLVER = (
+    ("damp", float, "Dampening, fraction of the mean Hessian diagonal."),
+    ("act_order", bool, "Columns by descending Hessian diagonal (static groups)."),
+    ("mse", bool, "Search clipped scales minimising the squared error.", ("--mse/--no-mse",)),
+    ("fp64", bool, "Accumulate Hessians and solve in float64."),
+    ("hessian_weighting", str, "samples (each sample weighs the same) or tokens."),
+    ("quantize_lm_head", bool, "Refused: no engine serves a quantized lm_head."),
+)
+GPTQ_EXPORT = (
+    ("tp", int, "Tensor-parallel size the checker validates shapes for."),
+    ("marlin_fallback", bool, "Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail)."),
+    ("shard_size", str, SHARD_HELP),
+)
+NVFP4_OPTIONS = (
+    ("dense_all", bool, "Quantize the minicpm4 attention blocks too."),
+    ("mse_iters", int, "Block-scale search steps (0: plain scales)."),
+    ("mse_max_shrink", float, "Smallest tried block scale = 1 - this."),
+    ("input_scale", str, "Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower)."),
+    ("rounding", str, "gptq (error feedback over the input Hessian), or nearest (faster calibration)."),
+    ("static_scales", bool, "gptq: block scales before the sweep, or as it goes.", ("--static-scales/--sweep-scales",)),
+)
+NVFP4_EXPORT = (("shard_size", str, SHARD_HELP),)
+"""The method flags of ``gptq`` and ``nvfp4``, by settings section: ``(key, type, help[, declarations])``."""
+
+
 @app.command("gptq")
+@with_blocks(
+    calibration=calibration_block(_GPTQ, _GPTQ.calibration.max_samples),
+    quantization=section_block(_GPTQ, "quantization", GPTQ_QUANTIZATION),
+    gptq=section_block(_GPTQ, "gptq", GPTQ_SOLVER),
+    engine=engine_block(_GPTQ),
+    export=section_block(_GPTQ, "export", GPTQ_EXPORT),
+    existing=RUN_BLOCK,
+)
 def gptq_command(
+    *,
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the GPTQ checkpoint.")],
     calib: Calib,
-    max_samples: MaxSamples = _GPTQ.calibration.max_samples,
-    max_len: MaxLen = _GPTQ.calibration.max_len,
-    min_len: MinLen = _GPTQ.calibration.min_len,
-    shuffle: Shuffle = _GPTQ.calibration.shuffle,
-    seed: Seed = _GPTQ.calibration.seed,
-    field: Field = _GPTQ.calibration.field,
-    bos: Bos = _GPTQ.calibration.bos,
-    bits: Annotated[
-        int, typer.Option(help="Bits of every decoder linear (4 or 8; 16 keeps bf16).")
-    ] = _GPTQ.quantization.bits,
-    group_size: Annotated[
-        int, typer.Option(help="Inputs per scale group: -1, 32, 64 or 128.")
-    ] = _GPTQ.quantization.group_size,
-    minicpm4_bits: Annotated[
-        int | None, typer.Option(help="Bits of the minicpm4 (sparse) layers.")
-    ] = _GPTQ.quantization.minicpm4_bits,
-    lightning_bits: Annotated[
-        int | None, typer.Option(help="Bits of the lightning layers.")
-    ] = _GPTQ.quantization.lightning_bits,
-    layer_bits: Annotated[
-        str, typer.Option(help='Per-layer bits, e.g. "0:8,2-7:4" (16 = bf16).')
-    ] = _GPTQ.quantization.layer_bits,
+    calibration: Flags,
+    quantization: Flags,
     exclude: Exclude = None,
     budget: Budget = None,
     smooth_alpha: SmoothAlpha = _GPTQ.smoothing.alpha,
     smooth: Annotated[
         bool, typer.Option("--smooth/--no-smooth", help="SmoothQuant before GPTQ (off by default for weight-only).")
     ] = SMOOTH_BY_DEFAULT["gptq"],
-    damp: Annotated[float, typer.Option(help="Dampening, fraction of the mean Hessian diagonal.")] = _GPTQ.gptq.damp,
-    act_order: Annotated[
-        bool, typer.Option(help="Columns by descending Hessian diagonal (static groups).")
-    ] = _GPTQ.gptq.act_order,
-    mse: Annotated[
-        bool, typer.Option("--mse/--no-mse", help="Search clipped scales minimising the squared error.")
-    ] = _GPTQ.gptq.mse,
-    fp64: Annotated[bool, typer.Option(help="Accumulate Hessians and solve in float64.")] = _GPTQ.gptq.fp64,
-    hessian_weighting: Annotated[
-        str, typer.Option(help="samples (each sample weighs the same) or tokens.")
-    ] = _GPTQ.gptq.hessian_weighting,
+    gptq: Flags,
     method: Annotated[
         str, typer.Option(help="gptq, or rtn (round to nearest on the same grid: the baseline).")
     ] = _GPTQ.method,
-    quantize_lm_head: Annotated[
-        bool, typer.Option(help="Refused: no engine serves a quantized lm_head.")
-    ] = _GPTQ.gptq.quantize_lm_head,
-    propagate: Propagate = _GPTQ.engine.propagate,
-    chunk_tokens: ChunkTokens = _GPTQ.engine.chunk_tokens,
-    device: Device = _GPTQ.engine.device,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel size the checker validates shapes for.")] = _GPTQ.export.tp,
-    marlin_fallback: Annotated[
-        bool, typer.Option(help="Keep linears whose shapes gptq_marlin cannot serve in bf16 (else fail).")
-    ] = _GPTQ.export.marlin_fallback,
-    shard_size: ShardSize = _GPTQ.export.shard_size,
+    engine: Flags,
+    export: Flags,
     save_recipe: SaveRecipe = None,
-    resume: Resume = False,
-    overwrite: Overwrite = False,
+    existing: Flags,
 ) -> None:
     """SmoothQuant + full-Hessian GPTQ, exported as a GPTQ v1 checkpoint for vLLM / SGLang gptq_marlin."""
     recipe = {
         "method": method,
-        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field, bos),
+        "calibration": {"sources": calib, **calibration},
         "smoothing": {"enabled": smooth, "alpha": smooth_alpha},
-        "quantization": {
-            "bits": bits,
-            "group_size": group_size,
-            "minicpm4_bits": minicpm4_bits,
-            "lightning_bits": lightning_bits,
-            "layer_bits": layer_bits,
-            "exclude": exclude or [],
-            "budget": budget,
-        },
-        "gptq": {
-            "damp": damp,
-            "act_order": act_order,
-            "mse": mse,
-            "fp64": fp64,
-            "hessian_weighting": hessian_weighting,
-            "quantize_lm_head": quantize_lm_head,
-        },
-        "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
-        "export": {"shard_size": shard_size, "tp": tp, "marlin_fallback": marlin_fallback},
+        "quantization": {**quantization, "exclude": exclude or [], "budget": budget},
+        "gptq": gptq,
+        "engine": engine,
+        "export": export,
     }
-    _run_from_flags(recipe, input, output, save_recipe, resume, overwrite)
+    _run_from_flags(recipe, input, output, save_recipe, **existing)
 
 
 @app.command("nvfp4")
+@with_blocks(
+    calibration=calibration_block(_NVFP4, _NVFP4.calibration.max_samples),
+    nvfp4=section_block(_NVFP4, "nvfp4", NVFP4_OPTIONS),
+    engine=engine_block(_NVFP4),
+    export=section_block(_NVFP4, "export", NVFP4_EXPORT),
+    existing=RUN_BLOCK,
+)
 def nvfp4_command(
+    *,
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the NVFP4 checkpoint.")],
     calib: Calib,
-    max_samples: MaxSamples = _NVFP4.calibration.max_samples,
-    max_len: MaxLen = _NVFP4.calibration.max_len,
-    min_len: MinLen = _NVFP4.calibration.min_len,
-    shuffle: Shuffle = _NVFP4.calibration.shuffle,
-    seed: Seed = _NVFP4.calibration.seed,
-    field: Field = _NVFP4.calibration.field,
-    bos: Bos = _NVFP4.calibration.bos,
-    dense_all: Annotated[
-        bool, typer.Option(help="Quantize the minicpm4 attention blocks too.")
-    ] = _NVFP4.nvfp4.dense_all,
+    calibration: Flags,
     exclude: Exclude = None,
     budget: Budget = None,
-    mse_iters: Annotated[
-        int, typer.Option(help="Block-scale search steps (0: plain scales).")
-    ] = _NVFP4.nvfp4.mse_iters,
-    mse_max_shrink: Annotated[
-        float, typer.Option(help="Smallest tried block scale = 1 - this.")
-    ] = _NVFP4.nvfp4.mse_max_shrink,
-    input_scale: Annotated[
-        str, typer.Option(help="Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower).")
-    ] = _NVFP4.nvfp4.input_scale,
-    rounding: Annotated[
-        str, typer.Option(help="gptq (error feedback over the input Hessian), or nearest (faster calibration).")
-    ] = _NVFP4.nvfp4.rounding,
-    static_scales: Annotated[
-        bool,
-        typer.Option("--static-scales/--sweep-scales", help="gptq: block scales before the sweep, or as it goes."),
-    ] = _NVFP4.nvfp4.static_scales,
+    nvfp4: Flags,
     smooth_alpha: SmoothAlpha = _NVFP4.smoothing.alpha,
     no_smooth: NoSmooth = not SMOOTH_BY_DEFAULT["nvfp4"],
-    propagate: Propagate = _NVFP4.engine.propagate,
-    chunk_tokens: ChunkTokens = _NVFP4.engine.chunk_tokens,
-    device: Device = _NVFP4.engine.device,
-    shard_size: ShardSize = _NVFP4.export.shard_size,
+    engine: Flags,
+    export: Flags,
     save_recipe: SaveRecipe = None,
-    resume: Resume = False,
-    overwrite: Overwrite = False,
+    existing: Flags,
 ) -> None:
     """SmoothQuant + block-scale search + GPTQ rounding NVFP4, in ModelOpt's format for SGLang / vLLM
     modelopt_fp4."""
     recipe = {
         "method": "nvfp4",
-        "calibration": calibration_flags(calib, max_samples, max_len, min_len, shuffle, seed, field, bos),
+        "calibration": {"sources": calib, **calibration},
         "smoothing": {"enabled": not no_smooth, "alpha": smooth_alpha},
         "quantization": {"budget": budget},
-        "nvfp4": {
-            "dense_all": dense_all,
-            "exclude": exclude or [],
-            "mse_iters": mse_iters,
-            "mse_max_shrink": mse_max_shrink,
-            "input_scale": input_scale,
-            "rounding": rounding,
-            "static_scales": static_scales,
-        },
-        "engine": {"device": device, "chunk_tokens": chunk_tokens, "propagate": propagate},
-        "export": {"shard_size": shard_size},
+        "nvfp4": {**nvfp4, "exclude": exclude or []},
+        "engine": engine,
+        "export": export,
     }
-    _run_from_flags(recipe, input, output, save_recipe, resume, overwrite)
+    _run_from_flags(recipe, input, output, save_recipe, **existing)
 
 
 def _run_from_flags(
@@ -281,14 +217,15 @@ def _run(recipe, input: Path, output: Path, resume: bool, overwrite: bool, recip
 
 
 @app.command()
+@with_blocks(existing=RUN_BLOCK)
 def run(
+    *,
     recipe: Annotated[str, typer.Argument(help="A recipe file, or the name of a shipped recipe.")],
     input: Input,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the quantized checkpoint.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: --set gptq.damp=0.05")] = None,
     calib: Annotated[list[str] | None, typer.Option(help="Shorthand for --set calibration.sources=[...]")] = None,
-    resume: Resume = False,
-    overwrite: Overwrite = False,
+    existing: Flags,
 ) -> None:
     """Quantize as a YAML recipe says (CLI overrides win); the resolved recipe is saved in the output."""
     from ..recipe import RecipeError, load_recipe
@@ -300,7 +237,7 @@ def run(
         resolved = load_recipe(recipe, overrides)
     except RecipeError as exc:
         fail(str(exc))
-    _run(resolved, input, output, resume, overwrite, recipe)
+    _run(resolved, input, output, existing["resume"], existing["overwrite"], recipe)
 
 
 @app.command()
