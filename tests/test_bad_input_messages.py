@@ -18,30 +18,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from cli_checks import SMALL, cli, one_error_line
+from shipped import CALIB, ROOT, SHIPPED
 
 from salaquant import outputs
-from salaquant.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "models" / "sala-tiny"
-CALIB = str(ROOT / "calib" / "sala-tiny-calib.jsonl")
-SMALL = ["--max-samples", "2", "--max-len", "64", "--device", "cpu"]
 EVAL = ["--device", "cpu", "--windows", "1", "--max-len", "64", "--gen-tokens", "0", "--layer-windows", "0"]
-runner = CliRunner()
-
-
-def _cli(*args: str):
-    return runner.invoke(app, list(args))
 
 
 def _one_error_line(res) -> str:
     """The refusal: exactly one ``error:`` line, no traceback, nothing raised past the command."""
-    assert "Traceback" not in res.output, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)[:500]
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    return errors[0]
+    return one_error_line(res)
 
 
 def _refused(res, *names: str) -> str:
@@ -82,7 +70,7 @@ def _with_positions(src: Path, dst: Path, positions: int) -> Path:
 def test_eval_lengths_past_the_models_positions_are_refused_first(
     export: Path, tiny_ckpt: Path, tmp_path: Path
 ) -> None:
-    res = _cli("eval", str(export), "-r", str(tiny_ckpt), *EVAL, "--niah", "2m")
+    res = cli("eval", str(export), "-r", str(tiny_ckpt), *EVAL, "--niah", "2m")
     _refused(res, "--niah 2m", "4096 positions", f"max_position_embeddings in {export}/config.json")
     source = _with_positions(tiny_ckpt, tmp_path / "src", 512)
     short = _with_positions(export, tmp_path / "q", 512)
@@ -92,7 +80,7 @@ def test_eval_lengths_past_the_models_positions_are_refused_first(
         (["--niah", "none", "--max-len", "1024", "--windows", "1"], "--max-len 1k"),
     ]
     for flags, name in cases:
-        res = _cli("eval", str(short), "-r", str(source), *EVAL, *flags)
+        res = cli("eval", str(short), "-r", str(source), *EVAL, *flags)
         _refused(res, name, "512 positions", f"{short}/config.json")
 
 
@@ -103,23 +91,23 @@ def test_a_binary_or_folder_recipe_is_named(model: Path, tmp_path: Path) -> None
     binary = tmp_path / "recipe.yaml"
     binary.write_bytes(bytes(range(128, 256)) * 8)  # not UTF-8 text
     for recipe in (binary, tmp_path):
-        res = _cli("run", str(recipe), "-i", str(model), "-o", str(tmp_path / "q"), "--calib", CALIB)
+        res = cli("run", str(recipe), "-i", str(model), "-o", str(tmp_path / "q"), "--calib", CALIB)
         _refused(res, f"{recipe}: ")
         assert "codec" not in res.output
     assert not (tmp_path / "q").exists()
 
 
 def test_inspect_of_a_weights_file_says_what_it_is_not() -> None:
-    res = _cli("inspect", str(SHIPPED / "model.safetensors"))
+    res = cli("inspect", str(SHIPPED / "model.safetensors"))
     _refused(res, f"{SHIPPED / 'model.safetensors'} is not a checkpoint folder or its config.json")
 
 
 def test_a_file_given_for_a_checkpoint_folder_is_named(tmp_path: Path) -> None:
     for given in (SHIPPED / "model.safetensors", SHIPPED / "config.json"):
         for command in ("gptq", "nvfp4", "calibrate"):
-            res = _cli(command, "-i", str(given), "-o", str(tmp_path / "q"), "--calib", CALIB, *SMALL)
+            res = cli(command, "-i", str(given), "-o", str(tmp_path / "q"), "--calib", CALIB, *SMALL)
             _refused(res, f"checkpoint path {given} is not a folder")
-        res = _cli("generate", str(given), "--device", "cpu", "--max-new-tokens", "4")
+        res = cli("generate", str(given), "--device", "cpu", "--max-new-tokens", "4")
         _refused(res, f"checkpoint path {given} is not a folder")
         assert "valid JSON" not in res.output and "codec" not in res.output
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.work").exists()
@@ -137,7 +125,7 @@ def test_tiny_refuses_bad_options_naming_the_flag(tmp_path: Path) -> None:
         (["--seed", str(2**64)], f"--seed {2**64}"),
     ]
     for flags, want in cases:
-        res = _cli("tiny", str(tmp_path / "t"), *flags)
+        res = cli("tiny", str(tmp_path / "t"), *flags)
         _refused(res, want)
         assert not (tmp_path / "t").exists()
 
@@ -146,23 +134,23 @@ def test_tiny_refuses_bad_options_naming_the_flag(tmp_path: Path) -> None:
 
 
 def test_check_exits_2_on_bad_input_and_1_on_a_failed_format(export: Path, tmp_path: Path) -> None:
-    assert _cli("check", str(export)).exit_code == 0
+    assert cli("check", str(export)).exit_code == 0
     bad = Path(shutil.copytree(export, tmp_path / "q"))
     (bad / "hf_quant_config.json").write_text('{"producer": ')
-    _refused(_cli("check", str(bad)), f"{bad / 'hf_quant_config.json'}: cannot parse")
+    _refused(cli("check", str(bad)), f"{bad / 'hf_quant_config.json'}: cannot parse")
     (bad / "hf_quant_config.json").write_text("[1, 2]")
-    _refused(_cli("check", str(bad)), f"{bad / 'hf_quant_config.json'}: top level is not a JSON object")
+    _refused(cli("check", str(bad)), f"{bad / 'hf_quant_config.json'}: top level is not a JSON object")
     (bad / "config.json").write_bytes(b"\xff\xfe")
-    _refused(_cli("check", str(bad)), f"{bad / 'config.json'}: cannot parse")
-    _refused(_cli("check", str(tmp_path / "missing")), f"{tmp_path / 'missing'} does not exist")
-    _refused(_cli("check", str(export / "model.safetensors")), "is not a folder")
-    _refused(_cli("check", str(export), "--tp", "0"), "--tp 0")
+    _refused(cli("check", str(bad)), f"{bad / 'config.json'}: cannot parse")
+    _refused(cli("check", str(tmp_path / "missing")), f"{tmp_path / 'missing'} does not exist")
+    _refused(cli("check", str(export / "model.safetensors")), "is not a folder")
+    _refused(cli("check", str(export), "--tp", "0"), "--tp 0")
     (bad / "hf_quant_config.json").unlink()  # readable, but a served checkpoint needs the file
     shutil.copy(export / "config.json", bad / "config.json")
-    res = _cli("check", str(bad))
+    res = cli("check", str(bad))
     assert res.exit_code == 1 and "hf_quant_config.json is missing" in res.output, res.output
     assert "Exit status: 0 the checkpoint passes, 1 it fails the format requirements" in " ".join(
-        _cli("check", "--help").output.split()
+        cli("check", "--help").output.split()
     )
 
 
@@ -174,7 +162,7 @@ def test_generate_refuses_a_config_that_disagrees_with_the_tensors(export: Path,
     config = json.loads((bad / "config.json").read_text())
     config["intermediate_size"] *= 2
     (bad / "config.json").write_text(json.dumps(config))
-    res = _cli("generate", str(bad), "--prompt", "The", "--max-new-tokens", "4", "--device", "cpu")
+    res = cli("generate", str(bad), "--prompt", "The", "--max-new-tokens", "4", "--device", "cpu")
     n, packed = config["intermediate_size"], config["hidden_size"] // 2  # two FP4 codes a byte
     want = f"model.layers.0.mlp.gate_proj.weight: shape [{n // 2}, {packed}], config.json implies [{n}, {packed}]"
     _refused(res, f"{bad}: the tensors disagree with config.json", want)
@@ -184,11 +172,11 @@ def test_backend_triton_without_cuda_is_refused_before_loading(export: Path, tin
     from salaquant.kernels import device
 
     monkeypatch.setattr(device, "INTERPRET", False)  # as a user runs it (the CPU test suite interprets Triton)
-    res = _cli("generate", str(export), "--max-new-tokens", "4", "--device", "cpu", "--backend", "triton")
+    res = cli("generate", str(export), "--max-new-tokens", "4", "--device", "cpu", "--backend", "triton")
     _refused(res, "--backend triton: the Triton kernels need a CUDA device", "--backend reference")
-    res = _cli("eval", str(export), "-r", str(tiny_ckpt), *EVAL, "--niah", "none", "--backend", "triton")
+    res = cli("eval", str(export), "-r", str(tiny_ckpt), *EVAL, "--niah", "none", "--backend", "triton")
     _refused(res, "--backend triton: the Triton kernels need a CUDA device")
-    res = _cli("generate", str(export), "--max-new-tokens", "4", "--device", "cpu", "--backend", "trion")
+    res = cli("generate", str(export), "--max-new-tokens", "4", "--device", "cpu", "--backend", "trion")
     _refused(res, "--backend 'trion': expected auto, triton, reference")
 
 
@@ -213,25 +201,25 @@ def test_a_missing_or_corrupt_tokenizer_file_is_named(
 ) -> None:
     out = tmp_path / "q"
     (model / "tokenizer.json").unlink()
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
     _refused(res, f"{model / 'tokenizer.json'} is missing")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_ckpt / "tokenizer.json", model / "tokenizer.json")
         (model / name).write_text('{"version": ')
-        res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
+        res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
         _refused(res, f"{model / name}: cannot parse")
         shutil.copy(tiny_ckpt / name, model / name)
     assert not out.exists() and not outputs.work_dir_for(out).exists()
     bad = Path(shutil.copytree(export, tmp_path / "e"))
     (bad / "tokenizer.json").unlink()
-    res = _cli("generate", str(bad), "--max-new-tokens", "4", "--device", "cpu")
+    res = cli("generate", str(bad), "--max-new-tokens", "4", "--device", "cpu")
     _refused(res, f"{bad / 'tokenizer.json'} is missing")
     (bad / "tokenizer.json").write_text("{}")  # JSON, but not a tokenizer
-    res = _cli("generate", str(bad), "--max-new-tokens", "4", "--device", "cpu")
+    res = cli("generate", str(bad), "--max-new-tokens", "4", "--device", "cpu")
     _refused(res, f"{bad}: cannot build the tokenizer from tokenizer.json")
     source = Path(shutil.copytree(tiny_ckpt, tmp_path / "src"))
     (source / "tokenizer.json").write_text("[")
-    res = _cli("eval", str(export), "-r", str(source), *EVAL, "--niah", "none")
+    res = cli("eval", str(export), "-r", str(source), *EVAL, "--niah", "none")
     _refused(res, f"{source / 'tokenizer.json'}: cannot parse")
 
 
@@ -264,7 +252,7 @@ def test_disk_full_names_the_file_being_written(model: Path, tmp_path: Path, mon
 
     monkeypatch.setattr(stream, "open", open_on_a_full_disk, raising=False)
     out = tmp_path / "q"
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL)
     work = outputs.work_dir_for(out)
     _refused(res, f"{work}/layers/000.safetensors.tmp: No space left on device")
     assert not out.exists() and not work.exists() and not list(tmp_path.rglob("*.tmp"))
@@ -298,9 +286,9 @@ def test_disk_full_while_exporting_names_the_file(tmp_path: Path, monkeypatch) -
 
 def test_demo_names_the_users_missing_files(tmp_path: Path) -> None:
     nope = tmp_path / "nope.jsonl"
-    res = _cli("demo", "--quick", "--calib", str(nope), "-o", str(tmp_path / "d"))
+    res = cli("demo", "--quick", "--calib", str(nope), "-o", str(tmp_path / "d"))
     line = _refused(res, f"--calib {nope}: no such file")
     assert "shipped" not in line
-    res = _cli("demo", "--quick", "--model", str(tmp_path / "none"), "-o", str(tmp_path / "d"))
+    res = cli("demo", "--quick", "--model", str(tmp_path / "none"), "-o", str(tmp_path / "d"))
     assert "shipped" not in _refused(res, f"--model {tmp_path / 'none'}: no such file")
     assert not (tmp_path / "d").exists()

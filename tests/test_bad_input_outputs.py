@@ -16,34 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import SMALL, cli, one_error_line
 from rich.console import Console
 from safetensors.torch import load_file
-from typer.testing import CliRunner
+from shipped import CALIB, HELDOUT, SHIPPED
 
 from salaquant import outputs
-from salaquant.cli import app
 from salaquant.io.writer import CheckpointWriter
 
-ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "models" / "sala-tiny"
-CALIB = str(ROOT / "calib" / "sala-tiny-calib.jsonl")
-HELDOUT = str(SHIPPED / "heldout.jsonl")
-SMALL = ["--max-samples", "2", "--max-len", "64", "--device", "cpu"]
 SMALLER = ["--max-samples", "2", "--max-len", "32", "--device", "cpu"]
 EVAL = ["--device", "cpu", "--windows", "1", "--max-len", "64", "--niah", "none", "--gen-tokens", "0"]
-runner = CliRunner()
-
-
-def _cli(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def _one_error_line(res) -> str:
-    """The refusal: exactly one ``error:`` line, no traceback."""
-    assert "Traceback" not in res.output, res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    return errors[0]
 
 
 def _user_folder(path: Path) -> dict[str, str]:
@@ -67,14 +49,14 @@ def model(tiny_ckpt: Path, tmp_path: Path) -> Path:
 def export(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A round-to-nearest GPTQ export of the tiny checkpoint, written by salaquant (2 samples of 32 tokens)."""
     out = tmp_path_factory.mktemp("export") / "q"
-    res = _cli("gptq", "-i", str(tiny_ckpt), "-o", str(out), "--calib", CALIB, "--method", "rtn", *SMALLER)
+    res = cli("gptq", "-i", str(tiny_ckpt), "-o", str(out), "--calib", CALIB, "--method", "rtn", *SMALLER)
     assert res.exit_code == 0, res.output
     return out
 
 
 def _refused_as_foreign(res, path: Path, *names: str) -> None:
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert f"{path} holds files salaquant did not write ({', '.join(names)})" in line, line
     assert "pass --overwrite" not in line  # advice that would not work is not given
 
@@ -86,7 +68,7 @@ def test_gptq_refuses_a_folder_it_did_not_write_with_and_without_overwrite(model
     out = tmp_path / "out"
     before = _user_folder(out)
     for flags in ((), ("--overwrite",)):
-        res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, *flags)
+        res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, *flags)
         _refused_as_foreign(res, out, "notes.txt", "sub/")
         assert _contents(out) == before and not outputs.work_dir_for(out).exists()
 
@@ -99,7 +81,7 @@ def test_every_quantizing_command_refuses_a_foreign_folder_with_overwrite(model:
         ["calibrate", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL],
         ["run", "rtn-w4a16", "-i", str(model), "-o", str(out), "--calib", CALIB],
     ):
-        res = _cli(*command, "--overwrite")
+        res = cli(*command, "--overwrite")
         _refused_as_foreign(res, out, "notes.txt", "sub/")
         assert _contents(out) == before, command[0]
     empty = tmp_path / "empty"
@@ -109,14 +91,14 @@ def test_every_quantizing_command_refuses_a_foreign_folder_with_overwrite(model:
 
 def test_a_salaquant_export_is_replaced_only_with_overwrite(model: Path, export: Path, tmp_path: Path) -> None:
     out = Path(shutil.copytree(export, tmp_path / "q"))  # an export salaquant wrote (2 samples of 32 tokens)
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--method", "rtn")
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--method", "rtn")
     assert res.exit_code == 2, res.output
-    assert f"--output {out} is a checkpoint salaquant wrote: pass --overwrite to replace it" in _one_error_line(res)
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--method", "rtn", "--overwrite")
+    assert f"--output {out} is a checkpoint salaquant wrote: pass --overwrite to replace it" in one_error_line(res)
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--method", "rtn", "--overwrite")
     assert res.exit_code == 0, res.output
     assert json.loads((out / "salaquant_settings.json").read_text())["calibration"]["max_len"] == 64
     (out / "notes.txt").write_text("added by the user")  # now the export holds a file of the user's
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--overwrite")
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--overwrite")
     _refused_as_foreign(res, out, "notes.txt")
     assert (out / "notes.txt").read_text() == "added by the user" and (out / "model.safetensors").exists()
 
@@ -125,9 +107,9 @@ def test_a_work_folder_of_the_users_is_never_cleared(model: Path, tmp_path: Path
     out = tmp_path / "q"
     work = outputs.work_dir_for(out)
     before = _user_folder(work)
-    res = _cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--overwrite")
+    res = cli("gptq", "-i", str(model), "-o", str(out), "--calib", CALIB, *SMALL, "--overwrite")
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert f"{work}, the work folder of this output, holds files salaquant did not write (notes.txt, sub/)" in line
     assert _contents(work) == before and not out.exists()
 
@@ -157,9 +139,9 @@ def test_gate_folders_of_the_users_are_refused_before_any_work(model: Path, tmp_
     for suffix, role in ((".check-failed", "failing its check is kept"), (".gate-failed", "failing its gate is kept")):
         folder = Path(f"{out}{suffix}")
         before = _user_folder(folder)
-        res = _cli("run", "rtn-w4a16", "-i", str(model), "-o", str(out), "--calib", CALIB, *gate, "--overwrite")
+        res = cli("run", "rtn-w4a16", "-i", str(model), "-o", str(out), "--calib", CALIB, *gate, "--overwrite")
         assert res.exit_code == 2, res.output
-        line = _one_error_line(res)
+        line = one_error_line(res)
         assert f"{folder}, " in line and role in line, line
         assert "holds files salaquant did not write (notes.txt, sub/)" in line
         assert _contents(folder) == before and not out.exists() and not outputs.work_dir_for(out).exists()
@@ -172,16 +154,16 @@ def test_gate_folders_of_the_users_are_refused_before_any_work(model: Path, tmp_
 def test_tiny_names_its_flag_and_keeps_a_foreign_folder(tmp_path: Path) -> None:
     out = tmp_path / "t"
     out.mkdir()  # an empty folder is written without --overwrite
-    assert _cli("tiny", str(out), "--seed", "1").exit_code == 0
-    res = _cli("tiny", str(out), "--seed", "2")
+    assert cli("tiny", str(out), "--seed", "1").exit_code == 0
+    res = cli("tiny", str(out), "--seed", "2")
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert f"{out} is a checkpoint salaquant wrote: pass --overwrite to replace it" in line
     assert "overwrite=True" not in res.output
-    assert _cli("tiny", str(out), "--seed", "2", "--overwrite").exit_code == 0
+    assert cli("tiny", str(out), "--seed", "2", "--overwrite").exit_code == 0
     mine = tmp_path / "mine"
     before = _user_folder(mine)
-    _refused_as_foreign(_cli("tiny", str(mine), "--overwrite"), mine, "notes.txt", "sub/")
+    _refused_as_foreign(cli("tiny", str(mine), "--overwrite"), mine, "notes.txt", "sub/")
     assert _contents(mine) == before
 
 
@@ -191,7 +173,7 @@ def test_demo_refuses_a_foreign_folder_and_replaces_only_salaquant_ones(export: 
     out = tmp_path / "d"
     (out / FOLDERS[1]).mkdir(parents=True)  # a folder of the user's under a name the demo writes
     (out / FOLDERS[1] / "results.txt").write_text("mine")
-    res = _cli("demo", "--quick", "-o", str(out), "--overwrite")
+    res = cli("demo", "--quick", "-o", str(out), "--overwrite")
     _refused_as_foreign(res, out, f"{FOLDERS[1]}/")
     assert (out / FOLDERS[1] / "results.txt").read_text() == "mine"
 
@@ -216,14 +198,14 @@ def test_eval_report_never_goes_into_the_source(export: Path, tiny_ckpt: Path, t
     source = Path(shutil.copytree(tiny_ckpt, tmp_path / "src"))
     before = sorted(p.name for p in source.iterdir())
     for report, where in ((source, "is"), (source / "reports", "lies inside")):
-        res = _cli("eval", str(export), "-r", str(source), *EVAL, "--report", str(report))
+        res = cli("eval", str(export), "-r", str(source), *EVAL, "--report", str(report))
         assert res.exit_code == 2, res.output
-        assert f"--report {report} {where} the reference checkpoint {source}" in _one_error_line(res)
+        assert f"--report {report} {where} the reference checkpoint {source}" in one_error_line(res)
     assert sorted(p.name for p in source.iterdir()) == before
     mine = tmp_path / "mine"
     kept = _user_folder(mine)
-    res = _cli("eval", str(export), "-r", str(source), *EVAL, "--report", str(mine))
-    assert res.exit_code == 2 and "holds files salaquant did not write (notes.txt, sub/)" in _one_error_line(res)
+    res = cli("eval", str(export), "-r", str(source), *EVAL, "--report", str(mine))
+    assert res.exit_code == 2 and "holds files salaquant did not write (notes.txt, sub/)" in one_error_line(res)
     assert _contents(mine) == kept
 
 
@@ -246,7 +228,7 @@ def test_eval_report_folders_that_are_accepted(export: Path, tmp_path: Path) -> 
 
 
 def test_eval_help_says_where_the_report_goes() -> None:
-    res = _cli("eval", "--help")
+    res = cli("eval", "--help")
     assert res.exit_code == 0
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", res.output).split())
     assert "default: the checkpoint" not in text

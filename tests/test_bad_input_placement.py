@@ -17,42 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import SMALL, cli, one_error_line, text
 from lock_holder import lock_held
 from safetensors import safe_open
-from typer.testing import CliRunner
+from shipped import CALIB
 
 from salaquant import outputs
-from salaquant.cli import app
 from salaquant.formats.report import CheckError
 
-ROOT = Path(__file__).resolve().parents[1]
-CALIB = str(ROOT / "calib" / "sala-tiny-calib.jsonl")
-SMALL = ["--max-samples", "2", "--max-len", "64", "--device", "cpu"]
 RECIPE_SMALL = [
     *("--set", "calibration.max_samples=2", "--set", "calibration.max_len=64", "--set", "engine.device=cpu"),
     *("--set", "eval.seq_len=32", "--set", "eval.windows=1", "--set", "eval.max_kl=10"),
 ]
-runner = CliRunner()
-
-
-def _cli(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def _text(res) -> str:
-    return " ".join(res.output.split())
-
-
-def _one_error_line(res) -> str:
-    """The refusal: exactly one ``error:`` line, no traceback."""
-    assert "Traceback" not in res.output, res.output
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, res.output
-    return errors[0]
 
 
 def _gptq(model: Path, out: Path, *extra: str, calib: str = CALIB):
-    return _cli("gptq", "-i", str(model), "-o", str(out), "--calib", calib, *SMALL, *extra)
+    return cli("gptq", "-i", str(model), "-o", str(out), "--calib", calib, *SMALL, *extra)
 
 
 def _beside(out: Path) -> list[str]:
@@ -104,7 +84,7 @@ def test_an_fp32_or_fp16_source_gives_a_bf16_export_that_passes_the_check(dtype:
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= plain.keys()
     assert set(plain.values()) == {"BF16"}, plain  # no float32 or float16 tensor left unquantized
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    check = _cli("check", str(out))
+    check = cli("check", str(out))
     assert check.exit_code == 0, check.output
 
 
@@ -127,7 +107,7 @@ def test_an_export_failing_the_format_check_is_kept_beside_the_output(model: Pat
     for _ in range(2):  # the second replaces the first's OUT.check-failed
         res = _gptq(model, out)
         assert res.exit_code == 2, res.output
-        line = _one_error_line(res)
+        line = one_error_line(res)
         assert "the export fails the format check" in line and f"kept at {failed}" in line and "not written" in line
         assert "lm_head.weight: dtype torch.float32" in res.output
         assert "--resume" not in res.output  # a rerun would write the same export: no advice that loops
@@ -147,16 +127,16 @@ def test_a_tp_the_model_cannot_take_is_refused_before_the_data_is_read(model: Pa
     missing = str(tmp_path / "no-such-calib.jsonl")  # never reached
     res = _gptq(model, out, "--tp", "3", calib=missing)
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert "--tp 3" in line and "16 heads of size 8 do not split over tp=3" in line  # the tiny model's q_proj
     assert "that split every layer: 1, 2, 4" in line
     res = _gptq(model, out, "--tp", "4", "--exclude", r"mlp\.(gate|up)_proj", calib=missing)
     assert res.exit_code == 2, res.output
-    assert "--tp 4: gptq_marlin cannot serve any linear the plan quantizes" in _one_error_line(res)
+    assert "--tp 4: gptq_marlin cannot serve any linear the plan quantizes" in one_error_line(res)
     assert _beside(out) == []
     res = _gptq(model, out, "--tp", "4")  # a size the message lists
     assert res.exit_code == 0, res.output
-    assert _cli("check", str(out), "--tp", "4").exit_code == 0
+    assert cli("check", str(out), "--tp", "4").exit_code == 0
 
 
 def test_an_output_name_too_long_for_what_is_written_beside_it(model: Path, tmp_path: Path) -> None:
@@ -164,7 +144,7 @@ def test_an_output_name_too_long_for_what_is_written_beside_it(model: Path, tmp_
     out = tmp_path / ("n" * (fits + 1))
     res = _gptq(model, out, calib=str(tmp_path / "no-such-calib.jsonl"))
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert f"allows {os.pathconf(tmp_path, 'PC_NAME_MAX')}: choose a name of at most {fits} bytes" in line
     assert _beside(out) == []
 
@@ -178,7 +158,7 @@ def test_a_second_run_while_the_first_is_active_is_told_its_pid(model: Path, tmp
         for flags in ((), ("--resume",), ("--overwrite",)):
             res = _gptq(model, out, *flags)
             assert res.exit_code == 2, res.output
-            line = _one_error_line(res)
+            line = one_error_line(res)
             assert f"another salaquant run (pid {holder.pid}) is using {work}" in line and "rerun" not in line
     assert (work / "state.json").exists()  # the running one's folder was left alone
 
@@ -188,7 +168,7 @@ def test_free_space_is_checked_before_the_data_is_read(model: Path, tmp_path: Pa
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda _p: usage._replace(free=500))
     res = _gptq(model, tmp_path / "q", calib=str(tmp_path / "no-such-calib.jsonl"))
     assert res.exit_code == 2, res.output
-    assert f"not enough free space for {tmp_path / 'q'}" in _one_error_line(res)
+    assert f"not enough free space for {tmp_path / 'q'}" in one_error_line(res)
     assert _beside(tmp_path / "q") == []
 
 
@@ -214,7 +194,7 @@ def test_resume_with_other_settings_names_them_and_both_ways_out_work(model: Pat
     _interrupt_export(monkeypatch, model, out)
     res = _gptq(model, out, "--resume", "--damp", "0.05")
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     assert "gptq.damp 0.01, now 0.05" in line and "rerun with --overwrite instead of --resume" in line
     assert "rerun the same command" not in line
     work = outputs.work_dir_for(out)
@@ -230,15 +210,15 @@ def test_resume_with_other_settings_names_them_and_both_ways_out_work(model: Pat
 def test_gate_data_is_read_before_any_model_work(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "q"
     gate = ["run", "rtn-w4a16", "-i", str(model), "-o", str(out), "--calib", CALIB, *RECIPE_SMALL]
-    res = _cli(*gate, "--set", f"eval.data={tmp_path / 'nope.jsonl'}")
+    res = cli(*gate, "--set", f"eval.data={tmp_path / 'nope.jsonl'}")
     assert res.exit_code == 2, res.output
     assert _beside(out) == [] and "layer" not in res.output  # no OUT.gate-pending, no work: nothing was run
-    assert f"eval.data: {tmp_path / 'nope.jsonl'}" in _one_error_line(res)
+    assert f"eval.data: {tmp_path / 'nope.jsonl'}" in one_error_line(res)
     short = tmp_path / "short.jsonl"
     short.write_text('{"text": "short"}\n')
-    res = _cli(*gate, "--set", f"eval.data={short}")
+    res = cli(*gate, "--set", f"eval.data={short}")
     assert res.exit_code == 2, res.output
-    assert f"eval.data {short}" in _one_error_line(res) and "fewer than eval.seq_len=32" in _text(res)
+    assert f"eval.data {short}" in one_error_line(res) and "fewer than eval.seq_len=32" in text(res)
     assert _beside(out) == []
 
 
@@ -259,14 +239,14 @@ def test_a_gate_that_cannot_run_leaves_nothing_pending_and_resume_finishes(
         raise RuntimeError("out of memory while scoring")
 
     monkeypatch.setattr(run_recipe, "eval_gate", broken)
-    res = _cli(*gate)
+    res = cli(*gate)
     assert res.exit_code == 2, res.output
-    line = _one_error_line(res)
+    line = one_error_line(res)
     work = outputs.work_dir_for(out)
     assert "out of memory while scoring" in line and f"kept in {work}" in line and "rerun with --resume" in line
     assert _beside(out) == [work.name]  # no OUT.gate-pending, no export at -o, no staging folder
     monkeypatch.setattr(run_recipe, "eval_gate", real)
-    res = _cli(*gate, "--resume")
+    res = cli(*gate, "--resume")
     assert res.exit_code == 0, res.output
     assert json.loads((out / "eval_gate.json").read_text())["passed"] and _beside(out) == [out.name]
     serve = next(line for line in res.output.splitlines() if line.startswith("serve: "))
