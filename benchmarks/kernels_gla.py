@@ -48,6 +48,21 @@ def _timed(row: dict, key: str, fn: Callable[[], object]) -> None:
         row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
 
 
+def _errors(row: dict, o: torch.Tensor, s: torch.Tensor, against: list[tuple[str, tuple | None]]) -> None:
+    """``rel_err_o_vs_NAME`` and ``rel_err_state_vs_NAME`` of our output ``o`` and final state ``s`` against each
+    ``(NAME, (output, state))`` of ``against`` that ran (None: not run), in that order."""
+    for name, theirs in against:
+        if theirs is not None:
+            row[f"rel_err_o_vs_{name}"] = _rel(o, theirs[0])
+            row[f"rel_err_state_vs_{name}"] = _rel(s, theirs[1])
+
+
+def _speedup(row: dict, fla_ms: float | None) -> None:
+    """``speedup`` = fla's time / ours, where both were timed."""
+    if fla_ms is not None and row["ours_ms"]:
+        row["speedup"] = fla_ms / row["ours_ms"]
+
+
 def _prefill_bytes(q: torch.Tensor, out_bytes: int) -> int:
     """Fewest bytes of our two kernels: k, v read by both, q by the output kernel, the stored states (one per
     chunk of 64) written and read once, o written."""
@@ -98,15 +113,8 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
 
                 _timed(row, "ours_ms", ours)
                 if row["ours_ms"] is not None:
-                    o, s = ours()
-                    if fla_out is not None:
-                        row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
-                        row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
-                    if ref_out is not None:
-                        row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
-                        row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
-                if fla_ms is not None and row["ours_ms"]:
-                    row["speedup"] = fla_ms / row["ours_ms"]
+                    _errors(row, *ours(), [("fla", fla_out), ("ref", ref_out)])
+                _speedup(row, fla_ms)
                 out_bytes = torch.empty(0, dtype=out_dtype).element_size()
                 row["ours_tb_s"] = _prefill_bytes(q, out_bytes) / row["ours_ms"] / 1e9 if row["ours_ms"] else None
                 rows.append(row)
@@ -134,14 +142,8 @@ def _decode_rows(b: int, g: torch.Tensor, fla_rec: Callable | None) -> list[dict
     row: dict = {"kernel": "recurrent", "B": b, "T": 1, "dtype": "float32", "mode": "new_state", "fla_ms": fla_ms}
     _timed(row, "ours_ms", ours)
     if row["ours_ms"] is not None:
-        o, s = ours()
-        row["rel_err_o_vs_ref"] = _rel(o, ref_out[0])
-        row["rel_err_state_vs_ref"] = _rel(s, ref_out[1])
-        if fla_out is not None:
-            row["rel_err_o_vs_fla"] = _rel(o, fla_out[0])
-            row["rel_err_state_vs_fla"] = _rel(s, fla_out[1])
-    if fla_ms is not None and row["ours_ms"]:
-        row["speedup"] = fla_ms / row["ours_ms"]
+        _errors(row, *ours(), [("ref", ref_out), ("fla", fla_out)])
+    _speedup(row, fla_ms)
     # fp32 state read and written
     row["ours_tb_s"] = state_bytes / row["ours_ms"] / 1e9 if row["ours_ms"] else None
     return [row]
