@@ -22,6 +22,18 @@ SMALL = ROOT / "models" / "sala-small"
 CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
 """The shipped calibration sample (sala-tiny's tokenizer; sala-small shares it)."""
 
+KERNEL_SHAPES: dict[str, tuple[int, int]] = {
+    "gate_up": (4096, 32768),
+    "down": (16384, 4096),
+    "lightning_qkv": (4096, 12288),
+    "o_proj": (4096, 4096),
+}
+"""The weight-only GEMM benchmarks' linears at MiniCPM-SALA's shape: layer name -> (K, N)."""
+KERNEL_MS = (1, 16, 128, 4096)
+"""The GEMM benchmarks' row counts M: one decode row, a small batch, a prefill chunk and a long prefill."""
+WEIGHT_COPIES = 4
+"""Weight copies a GEMM benchmark cycles through, so that each call reads its weights from HBM rather than L2."""
+
 
 def quiet() -> Console:
     """A console that prints nothing (the quantizers' progress inside a benchmark)."""

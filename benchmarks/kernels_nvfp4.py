@@ -20,29 +20,42 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from common import write_results
+from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 from triton.testing import do_bench, do_bench_cudagraph
 
 from salaquant.kernels.backend import DEQUANT_MIN_M
 from salaquant.kernels.nvfp4 import nvfp4_matmul, nvfp4_matmul_reference
 from salaquant.kernels.nvfp4 import triton_kernels as tk
 
-SHAPES: dict[str, tuple[int, int]] = {
-    "gate_up": (4096, 32768),
-    "down": (16384, 4096),
-    "lightning_qkv": (4096, 12288),
-    "o_proj": (4096, 4096),
-}
-"""Layer name -> (K, N)."""
-MS = (1, 16, 128, 4096)
-COPIES = 4
 DEVICE = "cuda"
+DOT_TILES: tuple[tuple[int | None, int, int, int, int, int], ...] = (
+    (16, 16, 64, 128, 4, 1),
+    (16, 16, 64, 256, 4, 1),
+    (16, 16, 128, 128, 4, 1),
+    (16, 16, 128, 128, 8, 1),
+    (16, 16, 64, 128, 4, 2),
+    (16, 16, 64, 128, 4, 3),
+    (256, 64, 128, 128, 8, 3),
+    (256, 128, 128, 64, 8, 3),
+    (256, 128, 64, 128, 4, 3),
+    (256, 32, 128, 128, 4, 3),
+    (256, 64, 64, 128, 4, 1),
+    (None, 128, 128, 64, 8, 3),
+    (None, 256, 128, 64, 8, 3),
+    (None, 128, 256, 64, 8, 3),
+    (None, 128, 128, 128, 8, 3),
+    (None, 256, 128, 64, 8, 2),
+    (None, 64, 128, 64, 4, 4),
+)
+"""The tensor-core kernel's tiles ``--sweep`` tries: (band, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). A row is
+tried for M in its band: M <= 16 (band 16), 16 < M <= 256 (band 256) or M > 256 (None); the first two with each
+of three split-K values around the default's, the last without split-K."""
 
 
 def _nvfp4_copies(k: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``COPIES`` random NVFP4 weights (all codes; finite block scales in [0.5, 2]; global scale 0.01)."""
+    """``WEIGHT_COPIES`` random NVFP4 weights (all codes; finite block scales in [0.5, 2]; global scale 0.01)."""
     out = []
-    for _ in range(COPIES):
+    for _ in range(WEIGHT_COPIES):
         weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE)
         scale = (torch.rand(n, k // 16, device=DEVICE) * 1.5 + 0.5).to(torch.float8_e4m3fn)
         out.append((weight, scale, torch.tensor(0.01, device=DEVICE)))
@@ -103,37 +116,18 @@ def _candidates(m: int, k: int, n: int) -> list[tk.NVFP4Config]:
                 tk.NVFP4Config("paired", block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=1)
                 for s in sorted({max(1, paired.split_k // 2), paired.split_k, paired.split_k * 2})
             ]
-    if m <= 16:
-        tiles = ((64, 128, 4, 1), (64, 256, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (64, 128, 4, 2), (64, 128, 4, 3))
-        for bn, bk, warps, stages in tiles:
-            cands += [tk.NVFP4Config("dot", 16, bn, bk, s, num_warps=warps, num_stages=stages) for s in splits]
-    elif m <= 256:
-        tiles = (
-            (64, 128, 128, 8, 3),
-            (128, 128, 64, 8, 3),
-            (128, 64, 128, 4, 3),
-            (32, 128, 128, 4, 3),
-            (64, 64, 128, 4, 1),
-        )
-        for bm, bn, bk, warps, stages in tiles:
-            cands += [tk.NVFP4Config("dot", bm, bn, bk, s, num_warps=warps, num_stages=stages) for s in splits]
-    else:
-        tiles = (
-            (128, 128, 64, 8, 3),
-            (256, 128, 64, 8, 3),
-            (128, 256, 64, 8, 3),
-            (128, 128, 128, 8, 3),
-            (256, 128, 64, 8, 2),
-            (64, 128, 64, 4, 4),
-        )
-        cands += [tk.NVFP4Config("dot", bm, bn, bk, 1, num_warps=w, num_stages=st) for bm, bn, bk, w, st in tiles]
+    band = 16 if m <= 16 else 256 if m <= 256 else None
+    tile_splits = splits if m <= 256 else [1]
+    for top, bm, bn, bk, warps, stages in DOT_TILES:
+        if top == band:
+            cands += [tk.NVFP4Config("dot", bm, bn, bk, s, num_warps=warps, num_stages=stages) for s in tile_splits]
     return cands
 
 
 def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, object]:
     """Time cuBLAS, our auto path, the fused and the dequant path (and the sweep) for one layer and M."""
     copies = _nvfp4_copies(k, n)
-    dense = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    dense = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02 for _ in range(WEIGHT_COPIES)]
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     row: dict[str, object] = {"layer": name, "K": k, "N": n, "M": m}
 
@@ -239,13 +233,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True, help="JSON file, or a folder for kernels_nvfp4.json")
     ap.add_argument("--sweep", action="store_true", help="also time candidate launch configurations")
-    ap.add_argument("--layers", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    ap.add_argument(
+        "--layers", default=",".join(KERNEL_SHAPES), help="comma-separated subset of " + ",".join(KERNEL_SHAPES)
+    )
+    ap.add_argument("--ms", default=",".join(map(str, KERNEL_MS)), help="comma-separated M values")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     for name in args.layers.split(","):
-        k, n = SHAPES[name]
+        k, n = KERNEL_SHAPES[name]
         for m in (int(v) for v in args.ms.split(",")):
             rows.append(_bench_case(name, k, n, m, args.sweep))
             r, sweep = rows[-1], args.sweep
@@ -261,7 +257,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "copies": COPIES,
+        "copies": WEIGHT_COPIES,
         "dequant_min_m": DEQUANT_MIN_M,
         "rows": rows,
     }

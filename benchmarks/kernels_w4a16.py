@@ -20,20 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from common import write_results
+from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
 
-SHAPES = {
-    "gate_up": (4096, 32768),
-    "down": (16384, 4096),
-    "lightning_qkv": (4096, 12288),
-    "o_proj": (4096, 4096),
-}
-MS = (1, 16, 128, 4096)
 GROUP = 128
-COPIES = 4
 DEVICE = "cuda"
 
 
@@ -41,25 +33,25 @@ def _time_us(fn: Callable[[int], object], rep: int) -> float:
     """Median time of ``fn(copy)`` in microseconds, from CUDA-graph replays of one call per weight copy."""
 
     def all_copies() -> None:
-        for i in range(COPIES):
+        for i in range(WEIGHT_COPIES):
             fn(i)
 
     all_copies()  # compile and autotune outside the graph
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(all_copies, rep=rep, return_mode="median") * 1e3 / COPIES
+    return triton.testing.do_bench_cudagraph(all_copies, rep=rep, return_mode="median") * 1e3 / WEIGHT_COPIES
 
 
 def _eager_us(fn: Callable[[int], object], rep: int) -> float:
     """Median time of one eager ``fn(copy)`` call, ``copy`` cycling over the weight copies."""
     counter = itertools.count()
-    return triton.testing.do_bench(lambda: fn(next(counter) % COPIES), rep=rep, return_mode="median") * 1e3
+    return triton.testing.do_bench(lambda: fn(next(counter) % WEIGHT_COPIES), rep=rep, return_mode="median") * 1e3
 
 
 def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None:
     """tinygemm on random int4 weights with group 128 (bf16 scale and zero), or None without the op."""
     if not hasattr(torch, "_weight_int4pack_mm") or not hasattr(torch, "_convert_weight_to_int4pack"):
         return None
-    sz = [torch.rand(k // GROUP, n, 2, dtype=torch.bfloat16, device=x.device) for _ in range(COPIES)]
+    sz = [torch.rand(k // GROUP, n, 2, dtype=torch.bfloat16, device=x.device) for _ in range(WEIGHT_COPIES)]
     errors = []
     # The op takes uint8 [N, K/2] in recent PyTorch and int32 [N, K/8] in older releases.
     for dtype, cols in ((torch.uint8, k // 2), (torch.int32, k // 8)):
@@ -67,7 +59,7 @@ def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None
             raw = [
                 torch.randint(0, 256 if dtype == torch.uint8 else 2**31 - 1, (n, cols), dtype=dtype, device=x.device)
             ]
-            packed = [torch._convert_weight_to_int4pack(raw[0], 8) for _ in range(COPIES)]
+            packed = [torch._convert_weight_to_int4pack(raw[0], 8) for _ in range(WEIGHT_COPIES)]
             torch._weight_int4pack_mm(x, packed[0], GROUP, sz[0])
         except (RuntimeError, TypeError, NotImplementedError) as e:
             errors.append(str(e).splitlines()[0][:160])
@@ -88,9 +80,13 @@ def _auto_path(m: int, n: int) -> str:
 def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     dev = DEVICE
     x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
-    qweight = [torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev) for _ in range(COPIES)]
-    scales = [(torch.rand(k // GROUP, n, device=dev) * 0.01 + 1e-3).half() for _ in range(COPIES)]
-    dense = [tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).contiguous() for i in range(COPIES)]
+    qweight = [
+        torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev) for _ in range(WEIGHT_COPIES)
+    ]
+    scales = [(torch.rand(k // GROUP, n, device=dev) * 0.01 + 1e-3).half() for _ in range(WEIGHT_COPIES)]
+    dense = [
+        tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).contiguous() for i in range(WEIGHT_COPIES)
+    ]
 
     ours = w4a16_matmul(x, qweight[0], scales[0], 4, GROUP)
     expect = F.linear(x, dense[0]).float()
@@ -140,8 +136,8 @@ def main() -> None:
     ap.add_argument(
         "--out", type=Path, required=True, help="folder (kernels_w4a16.json is written there) or .json file"
     )
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--m", nargs="+", type=int, default=list(MS))
+    ap.add_argument("--shapes", nargs="+", default=list(KERNEL_SHAPES), choices=list(KERNEL_SHAPES))
+    ap.add_argument("--m", nargs="+", type=int, default=list(KERNEL_MS))
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
     args = ap.parse_args()
 
@@ -154,7 +150,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for name in args.shapes:
-        k, n = SHAPES[name]
+        k, n = KERNEL_SHAPES[name]
         for m in args.m:
             r = bench_shape(name, k, n, m, args.rep)
             rows.append(r)
@@ -171,7 +167,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "group_size": GROUP,
-        "weight_copies": COPIES,
+        "weight_copies": WEIGHT_COPIES,
         "dequant_min_m": tk.DEQUANT_MIN_M,
         "rows": rows,
     }
