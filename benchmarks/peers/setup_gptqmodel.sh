@@ -15,29 +15,10 @@
 # Running it again on an existing VENV_DIR reinstalls nothing that is already satisfied.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 VENV_DIR" >&2
-    exit 2
-fi
-VENV=$1
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PYTHON=${PYTHON:-python3}
 GPTQMODEL_VERSION=${GPTQMODEL_VERSION:-7.7.0}
 TORCH_VERSION=2.13.0
-
-if [[ ! -x "$VENV/bin/python" ]]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
-
-# 1. torch, CPU build, first.
-"${PIP[@]}" "torch==${TORCH_VERSION}"
-if "$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)'; then
-    :
-else
-    echo "error: a CUDA build of torch was installed in $VENV; install the CPU build of torch ${TORCH_VERSION}" >&2
-    exit 1
-fi
+# shellcheck source=benchmarks/peers/cpu_torch_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cpu_torch_venv.sh" "$@"
 
 # 2. GPTQModel and its declared requirements (torch excluded, see above). No extension is built at install
 # time; the CPU quantization path (GPTQ on torch) needs none of its CUDA kernels.
@@ -72,7 +53,7 @@ fi
 "${PIP[@]}" "tokenizers>=0.20" "pyyaml>=6.0" "pydantic>=2.6" "rich>=13.0" "typer>=0.12" "torch==${TORCH_VERSION}"
 "${PIP[@]}" --no-deps --no-build-isolation -e "$REPO"
 
-"$VENV/bin/python" - <<'EOF'
+"$PY" - <<'EOF'
 import importlib.metadata as md
 import sys
 

@@ -9,35 +9,16 @@
 # code needs to import. Re-running on an existing VENV_DIR reuses it and converges to the same state.
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 VENV_DIR" >&2
-    exit 2
-fi
-VENV_DIR=$1
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PYTHON=${PYTHON:-python3}
-
 TORCH_VERSION=2.13.0
 LLMCOMPRESSOR_VERSION=0.14.0.1
 # llm-compressor 0.14.0.1 declares transformers>=5.15.0,<=5.17.0: take the newest it accepts.
 TRANSFORMERS_VERSION=5.17.0
-
-if [[ ! -x "$VENV_DIR/bin/python" ]]; then
-    "$PYTHON" -m venv "$VENV_DIR"
-fi
-PY="$VENV_DIR/bin/python"
-PIP=("$PY" -m pip install --disable-pip-version-check)
+# shellcheck source=benchmarks/peers/cpu_torch_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cpu_torch_venv.sh" "$@"
 
 # Pin torch for every later step so no resolver replaces the CPU build.
-CONSTRAINTS="$VENV_DIR/peer-constraints.txt"
+CONSTRAINTS="$VENV/peer-constraints.txt"
 printf 'torch==%s\n' "$TORCH_VERSION" >"$CONSTRAINTS"
-
-# 1. torch, CPU build, before anything else.
-"${PIP[@]}" "torch==$TORCH_VERSION"
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then
-    echo "error: torch in $VENV_DIR is a CUDA build; expected the CPU build" >&2
-    exit 1
-fi
 
 # 2. llm-compressor and a transformers it accepts.
 "${PIP[@]}" -c "$CONSTRAINTS" "llmcompressor==$LLMCOMPRESSOR_VERSION" "transformers==$TRANSFORMERS_VERSION"
