@@ -61,10 +61,10 @@ def engine_block(settings: Recipe, propagate: bool = True) -> FlagBlock:
     return _from(settings.engine, chunk_tokens=ChunkTokens, device=Device)
 
 
-def section_block(settings: Recipe, section: str, table: tuple[tuple[Any, ...], ...]) -> FlagBlock:
-    """Flags of the keys of one settings section, ``(key, type, help)`` or ``(key, type, help, declarations)``
-    each: the default is the section's value in ``settings``, the flag ``--key`` unless declarations are given."""
-    values = getattr(settings, section)
+def table_block(values: Any, table: tuple[tuple[Any, ...], ...]) -> FlagBlock:
+    """Flags of attributes of ``values`` (a settings section, or options such as ``EvalOptions()``), ``(key, type,
+    help)`` or ``(key, type, help, declarations)`` each: the default is the attribute's value, the flag ``--key``
+    unless declarations are given."""
     flags = []
     for key, kind, text, *decls in table:
         option = typer.Option(*(decls[0] if decls else ()), help=text)

@@ -26,7 +26,7 @@ from .options import (
     SmoothAlpha,
     calibration_block,
     engine_block,
-    section_block,
+    table_block,
 )
 
 
@@ -104,10 +104,10 @@ NVFP4_EXPORT = (("shard_size", str, SHARD_HELP),)
 @app.command("gptq")
 @with_blocks(
     calibration=calibration_block(_GPTQ, _GPTQ.calibration.max_samples),
-    quantization=section_block(_GPTQ, "quantization", GPTQ_QUANTIZATION),
-    gptq=section_block(_GPTQ, "gptq", GPTQ_SOLVER),
+    quantization=table_block(_GPTQ.quantization, GPTQ_QUANTIZATION),
+    gptq=table_block(_GPTQ.gptq, GPTQ_SOLVER),
     engine=engine_block(_GPTQ),
-    export=section_block(_GPTQ, "export", GPTQ_EXPORT),
+    export=table_block(_GPTQ.export, GPTQ_EXPORT),
     existing=RUN_BLOCK,
 )
 def gptq_command(
@@ -148,9 +148,9 @@ def gptq_command(
 @app.command("nvfp4")
 @with_blocks(
     calibration=calibration_block(_NVFP4, _NVFP4.calibration.max_samples),
-    nvfp4=section_block(_NVFP4, "nvfp4", NVFP4_OPTIONS),
+    nvfp4=table_block(_NVFP4.nvfp4, NVFP4_OPTIONS),
     engine=engine_block(_NVFP4),
-    export=section_block(_NVFP4, "export", NVFP4_EXPORT),
+    export=table_block(_NVFP4.export, NVFP4_EXPORT),
     existing=RUN_BLOCK,
 )
 def nvfp4_command(

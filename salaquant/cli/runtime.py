@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 
 import typer
@@ -13,10 +15,8 @@ from ..eval.options import EvalOptions
 from ..io.files import CheckpointError
 from ..model.config import ConfigError
 from .app import app, console, err, fail
-from .options import (
-    Device,
-    Field,
-)
+from .blocks import Flags, with_blocks
+from .options import Device, table_block
 
 _EVAL = EvalOptions()  # every eval flag's default is the option's own
 
@@ -105,17 +105,51 @@ def generate(
         sys.stdout.write(json.dumps({"prompt": text, "completion": completion, "tokens": len(out)}) + "\n")
 
 
+EVAL_FLAGS = (
+    ("data", str | None, "Held-out text: .jsonl, text, folder, parquet or hf:NAME... (default: shipped)"),
+    ("field", str | None, "Record field holding the text."),
+    ("max_len", int, "Tokens per perplexity window (context length)."),
+    ("windows", int, "Number of windows scored."),
+    ("attention", str, "auto (sparse from dense_len on), dense or sparse."),
+    ("gen_tokens", int, "Greedy tokens per prompt (0 skips generation)."),
+    ("gen_prompts", int, "Built-in prompts generated from (without --prompts); 16 with --gen-tokens 2048: long runs."),
+    ("task_samples", int, "Cases per task and length."),
+    ("temperature", float, "NIAH, tasks and generation: 0 greedy, else sampled at this temperature."),
+    ("repeat", int, "Runs of NIAH, tasks and generation with different seeds (needs --temperature)."),
+    ("kv_cache", str, "The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3."),
+    ("layer_windows", int, "Windows for the per-layer error (0 skips it)."),
+    ("device", str, "auto, cuda, cuda:N or cpu."),
+    ("backend", str, "Quantized linears: auto (Triton on CUDA), triton or reference."),
+    ("activations", str, "auto (fp4 for NVFP4: W4A4 as Blackwell runs it), fp4 or bf16 (weight-only)."),
+    ("tp", int, "Tensor-parallel size for the format check."),
+    ("seed", int, "Seed of the NIAH filler, keys and values."),
+)
+"""The eval flags that are ``EvalOptions`` fields as they stand: ``(field, type, help)``."""
+GATE_FLAGS = (
+    ("max_ppl_increase", str | None, 'Fail above this perplexity increase: "5%" or 0.05.'),
+    ("max_kl", str | None, "Fail above this mean KL(source || quantized), nats/token."),
+    ("min_top1", str | None, 'Fail below this top-1 agreement: "90%" or 0.9.'),
+    ("max_layer_error", str | None, "Fail when a layer's relative error exceeds this."),
+    ("max_niah_drop", str | None, 'Fail when the NIAH exact-match rate drops by more than this ("10%").'),
+    ("max_rerun_diff", str | None, "Fail when two runs of the same window differ by more (abs. logit)."),
+    ("max_drop", str | None, 'Fail when a task\'s mean score drops by more: "cwe=5%,vt=10%".'),
+    ("no_collapse", bool, "Fail on collapse (where the source has none) or NaN/Inf logits.", ("--no-collapse",)),
+    ("no_new_loops", bool, "Fail on n-gram loops the source's continuation does not have.", ("--no-new-loops",)),
+)
+_GATES = SimpleNamespace(**{f[0]: False if f[1] is bool else None for f in GATE_FLAGS})
+"""The eval gates, unset by default (a gate is checked only when given)."""
+
+
 @app.command("eval")
+@with_blocks(
+    measure=table_block(_EVAL, EVAL_FLAGS),
+    gate=table_block(_GATES, GATE_FLAGS),
+)
 def eval_command(
+    *,
     quantized: Annotated[Path, typer.Argument(help="The exported (GPTQ / NVFP4) checkpoint folder.")],
     reference: Annotated[Path, typer.Option("--reference", "-r", help="The bf16 source checkpoint folder.")],
-    data: Annotated[
-        str | None, typer.Option(help="Held-out text: .jsonl, text, folder, parquet or hf:NAME... (default: shipped)")
-    ] = None,
-    field: Field = None,
-    max_len: Annotated[int, typer.Option(help="Tokens per perplexity window (context length).")] = _EVAL.max_len,
-    windows: Annotated[int, typer.Option(help="Number of windows scored.")] = _EVAL.windows,
-    attention: Annotated[str, typer.Option(help="auto (sparse from dense_len on), dense or sparse.")] = _EVAL.attention,
+    measure: Flags,
     niah: Annotated[
         str, typer.Option(help='Needle-in-a-haystack lengths, e.g. "8k,32k"; auto = dense_len,4xdense_len; none.')
     ] = "auto",
@@ -125,11 +159,6 @@ def eval_command(
     prompts: Annotated[
         str | None, typer.Option(help="Generation prompts: .jsonl (prompt/text) or one per line (default: built-in).")
     ] = None,
-    gen_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (0 skips generation).")] = _EVAL.gen_tokens,
-    gen_prompts: Annotated[
-        int,
-        typer.Option(help="Built-in prompts generated from (without --prompts); 16 with --gen-tokens 2048: long runs."),
-    ] = _EVAL.gen_prompts,
     tasks: Annotated[
         str,
         typer.Option(help="Long-context tasks: niah_multikey, niah_multivalue (niah: both), vt, cwe, fwe; none."),
@@ -137,19 +166,6 @@ def eval_command(
     lengths: Annotated[
         str, typer.Option(help='Task prompt lengths, e.g. "4k,32k,128k"; auto = the NIAH lengths.')
     ] = "auto",
-    task_samples: Annotated[int, typer.Option(help="Cases per task and length.")] = _EVAL.task_samples,
-    temperature: Annotated[
-        float, typer.Option(help="NIAH, tasks and generation: 0 greedy, else sampled at this temperature.")
-    ] = _EVAL.temperature,
-    repeat: Annotated[
-        int, typer.Option(help="Runs of NIAH, tasks and generation with different seeds (needs --temperature).")
-    ] = _EVAL.repeat,
-    kv_cache: Annotated[
-        str, typer.Option(help="The export's minicpm4 KV cache as SGLang stores it: bf16, fp8_e5m2 or fp8_e4m3.")
-    ] = _EVAL.kv_cache,
-    layer_windows: Annotated[
-        int, typer.Option(help="Windows for the per-layer error (0 skips it).")
-    ] = _EVAL.layer_windows,
     report: Annotated[
         Path | None,
         typer.Option(
@@ -157,46 +173,13 @@ def eval_command(
             "evaluated export (default: none, the report is only printed)."
         ),
     ] = None,
-    device: Device = "auto",
-    backend: Annotated[str, typer.Option(help="Quantized linears: auto (Triton on CUDA), triton or reference.")] = (
-        "auto"
-    ),
     attention_kernels: Annotated[
         bool | None,
         typer.Option(
             "--attention-kernels/--no-attention-kernels", help="GLA / sparse attention kernels (default: runtime's)."
         ),
     ] = None,
-    activations: Annotated[
-        str, typer.Option(help="auto (fp4 for NVFP4: W4A4 as Blackwell runs it), fp4 or bf16 (weight-only).")
-    ] = _EVAL.activations,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel size for the format check.")] = _EVAL.tp,
-    seed: Annotated[int, typer.Option(help="Seed of the NIAH filler, keys and values.")] = _EVAL.seed,
-    max_ppl_increase: Annotated[str | None, typer.Option(help='Fail above this perplexity increase: "5%" or 0.05.')] = (
-        None
-    ),
-    max_kl: Annotated[
-        str | None, typer.Option(help="Fail above this mean KL(source || quantized), nats/token.")
-    ] = None,
-    min_top1: Annotated[str | None, typer.Option(help='Fail below this top-1 agreement: "90%" or 0.9.')] = None,
-    max_layer_error: Annotated[
-        str | None, typer.Option(help="Fail when a layer's relative error exceeds this.")
-    ] = None,
-    max_niah_drop: Annotated[
-        str | None, typer.Option(help='Fail when the NIAH exact-match rate drops by more than this ("10%").')
-    ] = None,
-    max_rerun_diff: Annotated[
-        str | None, typer.Option(help="Fail when two runs of the same window differ by more (abs. logit).")
-    ] = None,
-    max_drop: Annotated[
-        str | None, typer.Option(help='Fail when a task\'s mean score drops by more: "cwe=5%,vt=10%".')
-    ] = None,
-    no_collapse: Annotated[
-        bool, typer.Option("--no-collapse", help="Fail on collapse (where the source has none) or NaN/Inf logits.")
-    ] = False,
-    no_new_loops: Annotated[
-        bool, typer.Option("--no-new-loops", help="Fail on n-gram loops the source's continuation does not have.")
-    ] = False,
+    gate: Flags,
 ) -> None:
     """Quantized vs bf16 source: perplexity, KL, top-1, NIAH, generation checks, per-layer error; gates.
 
@@ -211,47 +194,27 @@ def eval_command(
 
     try:
 
-        def frac(value: str | None, name: str) -> float | None:
-            return None if value is None else parse_fraction(value, name)
+        def parsed(key: str, parse: Callable[[str, str], float]) -> float | None:
+            value = gate[key]
+            return None if value is None else parse(value, "--" + key.replace("_", "-"))
 
-        def number(value: str | None, name: str) -> float | None:
-            return None if value is None else parse_non_negative(value, name)
-
+        fractions = {k: parsed(k, parse_fraction) for k in ("max_ppl_increase", "min_top1", "max_niah_drop")}
+        numbers = {k: parsed(k, parse_non_negative) for k in ("max_kl", "max_layer_error", "max_rerun_diff")}
         gates = Thresholds(
-            max_ppl_increase=frac(max_ppl_increase, "--max-ppl-increase"),
-            max_kl=number(max_kl, "--max-kl"),
-            min_top1=frac(min_top1, "--min-top1"),
-            max_layer_error=number(max_layer_error, "--max-layer-error"),
-            max_niah_drop=frac(max_niah_drop, "--max-niah-drop"),
-            max_rerun_diff=number(max_rerun_diff, "--max-rerun-diff"),
-            max_task_drop=parse_task_drops(max_drop, TASKS) if max_drop is not None else None,
-            no_collapse=no_collapse,
-            no_new_loops=no_new_loops,
+            **fractions,
+            **numbers,
+            max_task_drop=parse_task_drops(gate["max_drop"], TASKS) if gate["max_drop"] is not None else None,
+            no_collapse=gate["no_collapse"],
+            no_new_loops=gate["no_new_loops"],
         )
         options = EvalOptions(
-            data=data,
-            field=field,
-            max_len=max_len,
-            windows=windows,
-            attention=attention,
+            **measure,
             niah_lengths=parse_lengths(niah),
             niah_depths=parse_depths(niah_depths),
             prompts_file=prompts,
-            gen_prompts=gen_prompts,
             tasks=parse_tasks(tasks),
             task_lengths=parse_lengths(lengths, "--lengths"),
-            task_samples=task_samples,
-            kv_cache=kv_cache,
-            temperature=temperature,
-            repeat=repeat,
-            gen_tokens=gen_tokens,
-            layer_windows=layer_windows,
-            device=device,
-            backend=backend,
             kernels=attention_kernels,
-            activations=activations,
-            tp=tp,
-            seed=seed,
         )
         result = run_eval(quantized, reference, options, gates, report, console)
     except CheckError as exc:
