@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from rich.console import Console
+from shipped import CALIB_FILE, SHIPPED
 
 import salaquant.model.hf  # noqa: F401  (registers the minicpm_sala config for AutoTokenizer)
 from salaquant.calibration.calib_data import (
@@ -24,16 +25,12 @@ from salaquant.calibration.calib_data import (
     parse_hf_source,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "sala-tiny"
-SHIPPED_CALIB = REPO / "calib" / "sala-tiny-calib.jsonl"
-
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MODEL))
+    return AutoTokenizer.from_pretrained(str(SHIPPED))
 
 
 def expected_ids(tok: Any, text: str) -> list[int]:
@@ -308,8 +305,8 @@ def test_parse_hf_source() -> None:
 
 
 def test_shipped_calibration_split(tok: Any) -> None:
-    records = [json.loads(line) for line in SHIPPED_CALIB.read_text(encoding="utf-8").splitlines() if line.strip()]
-    cs = load_calibration(SHIPPED_CALIB, tok, CalibOptions())
+    records = [json.loads(line) for line in CALIB_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    cs = load_calibration(CALIB_FILE, tok, CalibOptions())
     s = cs.summary()
     assert s["samples"] == len(records) == 32
     assert cs[0].ids.tolist() == expected_ids(tok, records[0]["text"])
@@ -320,4 +317,4 @@ def test_shipped_calibration_split(tok: Any) -> None:
     buf = io.StringIO()
     cs.render_summary(Console(file=buf, width=120, color_system=None))
     out = buf.getvalue()
-    assert "Calibration set" in out and "1-10K" in out and str(SHIPPED_CALIB) in out
+    assert "Calibration set" in out and "1-10K" in out and str(CALIB_FILE) in out

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from shipped import CALIB, SHIPPED
 
 from salaquant.calibration.calib_data import CalibOptions
 from salaquant.formats.modelopt_nvfp4.numerics import (
@@ -24,10 +25,6 @@ from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.gptq import gptq_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.nvfp4.search import search_block_scales
-
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "sala-tiny"
-CALIB = [str(ROOT / "calib" / "sala-tiny-calib.jsonl")]
 
 
 def _weight(g: torch.Generator, out: int = 48, n: int = 128) -> torch.Tensor:
@@ -146,7 +143,7 @@ def test_bad_arguments_are_refused() -> None:
         from salaquant.nvfp4.layer import NVFP4LayerQuantizer
         from salaquant.nvfp4.plan import build_nvfp4_plan
 
-        cfg = SalaConfig.from_dict(json.loads((MODEL / "config.json").read_text()))
+        cfg = SalaConfig.from_dict(json.loads((SHIPPED / "config.json").read_text()))
         NVFP4LayerQuantizer(cfg, build_nvfp4_plan(cfg, False, ()), NVFP4LayerOptions(rounding="best"))
 
 
@@ -158,7 +155,7 @@ def test_command_lowers_every_linears_hessian_error(tmp_path: Path, static: bool
     a tenth above it (scales during: they differ from the searched ones)."""
     opts = NVFP4LayerOptions(mse_iters=8, rounding="gptq", static_scales=static)
     run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=True)
-    out = run_nvfp4(MODEL, tmp_path / "out", CALIB, CalibOptions(max_samples=4, max_len=512), opts, run,
+    out = run_nvfp4(SHIPPED, tmp_path / "out", [CALIB], CalibOptions(max_samples=4, max_len=512), opts, run,
                     Console(quiet=True))  # fmt: skip
     settings = json.loads((out / "salaquant_settings.json").read_text())
     assert settings["nvfp4"]["rounding"] == "gptq" and settings["nvfp4"]["static_scales"] is static
