@@ -37,24 +37,19 @@ MAX_MODEL_BYTES = 28 * 2**20
 
 
 def small_config(vocab_size: int = 4096) -> dict[str, Any]:
-    """The sala-small ``config.json`` (the real format: the published config with the sizes changed)."""
-    cfg = preset_config("full", vocab_size=vocab_size)
+    """The sala-small ``config.json`` (the real format: the published config with the sizes changed): the package's
+    ``small`` preset (8 layers, minicpm4 first and last, hidden 256, 4 lightning heads, one end-of-sequence id),
+    with head_dim 128 everywhere, 8 query heads over 2 KV heads, intermediate 768, 32K positions and the real
+    ``sparse_config``."""
+    cfg = preset_config("small", vocab_size=vocab_size)
     cfg.update(
-        hidden_size=256,
         intermediate_size=768,
-        num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=128,
-        lightning_nh=4,
-        lightning_nkv=4,
         lightning_head_dim=128,
         max_position_embeddings=32768,
-        mixer_types=["minicpm4"] + ["lightning-attn"] * 6 + ["minicpm4"],
         sparse_config=dict(DEFAULT_SPARSE_CONFIG),
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.02,
     )
     return cfg
 
