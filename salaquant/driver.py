@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .budget.search import BudgetPlan, SearchOptions, budget_range, plan_budget, record_budget
+from .budget.search import BudgetPlan, BudgetSearch, SearchOptions, budget_range, plan_budget, record_budget
 from .budget.size import Budget, Unit, parse_budget
 from .calibration.calib_data import CalibOptions
 from .calibration.contract import EngineOptions, LayerQuantizer
@@ -184,9 +184,9 @@ def _search_budget(
     if budget is None:
         return None
     with CheckpointReader(model) as reader:
-        chosen = plan_budget(
-            work, run.resume, reader, config, samples, units, method.probe(), budget, method.budget_search,
-            device, console, ranks,
-        )  # fmt: skip
+        search = BudgetSearch(
+            reader, config, samples, units, method.probe(), budget, method.budget_search, device, console, ranks
+        )
+        chosen = plan_budget(work, run.resume, search)
     method.apply_budget(config, units, chosen.choice)
     return chosen

@@ -157,7 +157,7 @@ def test_a_long_niah_prefill_still_prints_lines(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_a_slow_budget_probe_still_prints_lines(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from salaquant.budget.search import SearchOptions, choose
+    from salaquant.budget.search import BudgetSearch, SearchOptions, choose
     from salaquant.budget.size import parse_budget
     from salaquant.gptq.budget import gptq_units
     from salaquant.gptq.plan import BitsOptions, build_plan
@@ -179,8 +179,12 @@ def test_a_slow_budget_probe_still_prints_lines(tiny_ckpt: Path, monkeypatch: py
 
     samples = [torch.arange(200) % 250 + 3]
     shown = Console(file=io.StringIO())  # a command's console: not quiet
-    choose(reader, config, samples, units, slow_probe, parse_budget("6bits"), SearchOptions(1, 32), torch.device("cpu"),
-           shown)  # fmt: skip
+    budget = parse_budget("6bits")
+    choose(
+        BudgetSearch(
+            reader, config, samples, units, slow_probe, budget, SearchOptions(1, 32), torch.device("cpu"), shown
+        )
+    )
     _assert_heard_through(clocked.lines, window[0], window[1], "budget search: layers")
 
 

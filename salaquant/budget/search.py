@@ -115,22 +115,29 @@ def budget_range(
     return target, base
 
 
-def choose(
-    reader: CheckpointReader,
-    config: SalaConfig,
-    samples: Sequence[torch.Tensor],
-    units: list[Unit],
-    perturb: Perturb,
-    budget: Budget,
-    options: SearchOptions,
-    device: torch.device,
-    console: Console,
-    ranks: Ranks = SINGLE,
-) -> BudgetPlan:
+@dataclass(frozen=True)
+class BudgetSearch:
+    """What a search reads: the checkpoint, the calibration samples, the units and how an option perturbs a
+    layer (``perturb``), the budget and the windows measured on; ``ranks`` share one search's result."""
+
+    reader: CheckpointReader
+    config: SalaConfig
+    samples: Sequence[torch.Tensor]
+    units: list[Unit]
+    perturb: Perturb
+    budget: Budget
+    options: SearchOptions
+    device: torch.device
+    console: Console
+    ranks: Ranks = SINGLE
+
+
+def choose(search: BudgetSearch) -> BudgetPlan:
     """Measure every option's damage (on rank 0; the costs go to every process), then solve the choice."""
-    target, base = budget_range(reader, config, units, budget)
+    config, units, budget, options, console = search.config, search.units, search.budget, search.options, search.console
+    target, base = budget_range(search.reader, config, units, budget)
     fixed = base + sum(u.sizes[0] for u in units if len(u.options) == 1)
-    ids = search_windows(samples, options.windows, options.seq_len)
+    ids = search_windows(search.samples, options.windows, options.seq_len)
     t0 = time.perf_counter()
     console.print(
         f"budget {budget.text}: measuring {sum(len(u.options) - 1 for u in units)} options of "
@@ -139,11 +146,11 @@ def choose(
 
     parts: dict[str, float] = {}
     costs = None
-    if ranks.main:
+    if search.ranks.main:
         what = "budget search: layers (then the KL of every option)"
         with Phases(not console.quiet) as progress, progress.phase(what, config.num_hidden_layers) as step:
-            costs = measure_costs(reader, config, ids, units, perturb, device, step, parts)
-    costs = broadcast_object(costs, ranks)
+            costs = measure_costs(search.reader, config, ids, units, search.perturb, search.device, step, parts)
+    costs = broadcast_object(costs, search.ranks)
     assert costs is not None
     choosable = [u for u, unit in enumerate(units) if len(unit.options) > 1]
     picked = solve([units[u].sizes for u in choosable], [costs[u] for u in choosable], target - fixed)
@@ -215,29 +222,16 @@ def budget_achieved(
     plan.achieved = {"achieved_bytes": achieved, "measured_kl": kl, "measure_seconds": seconds}
 
 
-def plan_budget(
-    work: Path,
-    resume: bool,
-    reader: CheckpointReader,
-    config: SalaConfig,
-    samples: Sequence[torch.Tensor],
-    units: list[Unit],
-    perturb: Perturb,
-    budget: Budget,
-    options: SearchOptions,
-    device: torch.device,
-    console: Console,
-    ranks: Ranks = SINGLE,
-) -> BudgetPlan:
+def plan_budget(work: Path, resume: bool, search: BudgetSearch) -> BudgetPlan:
     """`choose`, saved as ``work/budget.json``; a resumed run takes the saved choice instead of searching again
     (a search repeated on a GPU could break a near tie the other way and mix two choices in one export)."""
     path = work / "budget.json"
-    plan = saved_choice(path, budget, units, options) if resume else None
+    plan = saved_choice(path, search.budget, search.units, search.options) if resume else None
     if plan is not None:
-        console.print(f"budget {budget.text}: the choice of the run being resumed ({path})")
+        search.console.print(f"budget {search.budget.text}: the choice of the run being resumed ({path})")
         return plan
-    plan = choose(reader, config, samples, units, perturb, budget, options, device, console, ranks)
-    if ranks.main:
+    plan = choose(search)
+    if search.ranks.main:
         atomic_json(plan.report(), path)
     return plan
 
