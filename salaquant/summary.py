@@ -11,6 +11,9 @@ from .model.config import LIGHTNING, SPARSE, SalaConfig
 from .model.layout import global_parameter_shapes, layer_linears, layer_norms
 
 KINDS = (SPARSE, LIGHTNING)
+SIZES = ("bf16", "w4a16", "nvfp4_default", "nvfp4_dense_all")
+"""The formats ``summarize`` sizes a checkpoint in: bf16; GPTQ W4A16 g128 of every decoder linear; NVFP4 with the
+minicpm4 attention in bf16 (the default) and of every decoder linear."""
 
 
 @dataclass
@@ -32,10 +35,7 @@ class ModelSummary:
     embed: int = 0
     lm_head: int = 0
     final_norm: int = 0
-    bf16_bytes: int = 0
-    w4a16_bytes: int = 0
-    nvfp4_default_bytes: int = 0
-    nvfp4_dense_all_bytes: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)  # tensor bytes of the whole checkpoint per entry of SIZES
 
     @property
     def total_params(self) -> int:
@@ -60,26 +60,26 @@ def summarize(config: SalaConfig) -> ModelSummary:
     s.final_norm = config.hidden_size
     s.lm_head = math.prod(glob["lm_head.weight"]) if "lm_head.weight" in glob else 0
     fixed = 2 * (s.embed + s.lm_head + s.final_norm)
-    s.bf16_bytes = s.w4a16_bytes = s.nvfp4_default_bytes = s.nvfp4_dense_all_bytes = fixed
+    sizes = s.sizes = dict.fromkeys(SIZES, fixed)
     for kind in config.mixer_types:
         st = s.kinds[kind]
         st.layers += 1
         norms = sum(layer_norms(config, kind).values())
         st.norms += norms
-        for b in ("bf16_bytes", "w4a16_bytes", "nvfp4_default_bytes", "nvfp4_dense_all_bytes"):
-            setattr(s, b, getattr(s, b) + 2 * norms)
+        for b in SIZES:
+            sizes[b] += 2 * norms
         for spec in layer_linears(config, kind):
             n = spec.out_features * spec.in_features
             if spec.name.startswith("mlp."):
                 st.mlp += n
             else:
                 st.attention += n
-            s.bf16_bytes += 2 * n
-            s.w4a16_bytes += gptq_v1_bytes(spec.out_features, spec.in_features, 4, 128)
+            sizes["bf16"] += 2 * n
+            sizes["w4a16"] += gptq_v1_bytes(spec.out_features, spec.in_features, 4, 128)
             fp4 = nvfp4_bytes(spec.out_features, spec.in_features)
-            s.nvfp4_dense_all_bytes += fp4
+            sizes["nvfp4_dense_all"] += fp4
             keep_bf16 = kind == SPARSE and spec.name.startswith("self_attn.")
-            s.nvfp4_default_bytes += 2 * n if keep_bf16 else fp4
+            sizes["nvfp4_default"] += 2 * n if keep_bf16 else fp4
     return s
 
 

@@ -178,7 +178,7 @@ def test_resume_after_a_full_disk_counts_only_what_is_left(model: Path, tmp_path
 
     out = tmp_path / "q"
     _interrupt_export(monkeypatch, model, out)  # every layer is in the work folder: only the export is left
-    export = summarize(SalaConfig.from_dict(json.loads((model / "config.json").read_text()))).w4a16_bytes
+    export = summarize(SalaConfig.from_dict(json.loads((model / "config.json").read_text()))).sizes["w4a16"]
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda _p: usage._replace(free=export * 5 // 4))
     res = _gptq(model, out, "--resume")  # room for the export and a quarter more

@@ -61,14 +61,14 @@ def test_full_shape_parameter_count_and_sizes() -> None:
     """The real shape totals 9.477B parameters (published as ~9.48B; bf16 checkpoint ~18.95 GB)."""
     s = summarize(SalaConfig.from_dict(preset_config("full")))
     assert round(s.total_params / 1e9, 3) == 9.477
-    assert abs(s.bf16_bytes / 1e9 - 18.95) < 0.01
+    assert abs(s.sizes["bf16"] / 1e9 - 18.95) < 0.01
     # hand count: 8 sparse layers x (q 4096^2 + k,v 256x4096 + o 4096^2 + o_gate 4096^2)
     assert s.kinds["minicpm4"].attention == 8 * (3 * 4096 * 4096 + 2 * 256 * 4096)
     assert s.kinds["lightning"].attention == 24 * 5 * 4096 * 4096
     assert s.kinds["lightning"].mlp == 24 * 3 * 4096 * 16384
     # W4A16: a 4096x4096 linear is 8 MiB of int4 + 32 groups x 4096 fp16 scales + qzeros + g_idx
-    assert s.w4a16_bytes < 0.33 * s.bf16_bytes
-    assert s.nvfp4_dense_all_bytes < s.nvfp4_default_bytes < s.bf16_bytes
+    assert s.sizes["w4a16"] < 0.33 * s.sizes["bf16"]
+    assert s.sizes["nvfp4_dense_all"] < s.sizes["nvfp4_default"] < s.sizes["bf16"]
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "sala-tiny"

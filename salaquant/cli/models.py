@@ -123,12 +123,12 @@ def inspect(
     sizes.add_column("bytes", justify="right")
     sizes.add_column("vs bf16", justify="right")
     for name, value in (
-        ("bf16", s.bf16_bytes),
-        ("W4A16 GPTQ g128 (all decoder linears)", s.w4a16_bytes),
-        ("NVFP4 default (minicpm4 attention bf16)", s.nvfp4_default_bytes),
-        ("NVFP4 dense-all", s.nvfp4_dense_all_bytes),
+        ("bf16", s.sizes["bf16"]),
+        ("W4A16 GPTQ g128 (all decoder linears)", s.sizes["w4a16"]),
+        ("NVFP4 default (minicpm4 attention bf16)", s.sizes["nvfp4_default"]),
+        ("NVFP4 dense-all", s.sizes["nvfp4_dense_all"]),
     ):
-        sizes.add_row(name, human_bytes(value), f"{value / s.bf16_bytes:.3f}")
+        sizes.add_row(name, human_bytes(value), f"{value / s.sizes['bf16']:.3f}")
     console.print(sizes)
 
     cfg_path = model if model.is_dir() else model.parent

@@ -102,7 +102,7 @@ class GPTQMethod:
         self.plan = plan_of(units, choice, self.plan)
 
     def export_bytes(self, config: SalaConfig) -> int:
-        return summarize(config).w4a16_bytes
+        return summarize(config).sizes["w4a16"]
 
     def settings(self, calib: CalibOptions, budget_choice: dict[str, str] | None) -> dict[str, Any]:
         return {

@@ -102,8 +102,7 @@ class NVFP4Method:
         self.plan = plan_of(config, units, choice, self._plan())
 
     def export_bytes(self, config: SalaConfig) -> int:
-        sizes = summarize(config)
-        return sizes.nvfp4_dense_all_bytes if self.run.dense_all else sizes.nvfp4_default_bytes
+        return summarize(config).sizes["nvfp4_dense_all" if self.run.dense_all else "nvfp4_default"]
 
     def settings(self, calib: CalibOptions, budget_choice: dict[str, str] | None) -> dict[str, Any]:
         return {
