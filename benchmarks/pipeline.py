@@ -34,6 +34,7 @@ import resource
 import shutil
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,23 +142,43 @@ def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_quantizer(
-    method: str,
-    model: Path,
-    calib: Path,
-    out: Path,
-    device: str,
-    max_len: int,
-    input_scale: str | None = None,
-    budget: str | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class QuantRun:
+    """One quantizer command to time: the method (``gptq`` or ``nvfp4``), the source checkpoint, the calibration
+    file, the output folder, the calibration's longest sample, and the settings the benchmark varies (nvfp4's
+    input-scale rule, None: its own; gptq's ``--budget``, None: none)."""
+
+    method: str
+    model: Path
+    calib: Path
+    out: Path
+    max_len: int
+    input_scale: str | None = None
+    budget: str | None = None
+
+
+def _budget_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """``{"budget": the search's figures less its units}`` where the run searched a budget, else nothing."""
+    searched = report.get("budget")
+    return {"budget": {k: v for k, v in searched.items() if k != "units"}} if searched else {}
+
+
+def _phase_seconds(report: dict[str, Any]) -> dict[str, float]:
+    """Seconds per phase of a quant_report.json, to 2 decimals."""
+    return {k: round(float(v), 2) for k, v in report["timings_s"].items()}
+
+
+def run_quantizer(job: QuantRun, device: str) -> dict[str, Any]:
+    """``job`` in this process, as the command runs it: wall time and its phases, calibration tokens/s, solve time
+    per linear, export size, peak GPU memory and CPU RSS (by phase too)."""
     from salaquant.gptq.command import RunOptions, run_gptq
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
     from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
-    options = CalibOptions(max_len=max_len)
+    method, model, calib, out = job.method, job.model, job.calib, job.out
+    options = CalibOptions(max_len=job.max_len)
     console = Console(quiet=True)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -165,21 +186,20 @@ def run_quantizer(
     with RssTimeline() as rss:
         if method == "gptq":
             run = RunOptions(device=device, show_progress=False, overwrite=True)
-            bits = BitsOptions(budget=budget)
+            bits = BitsOptions(budget=job.budget)
             run_gptq(model, out, [str(calib)], options, bits, GPTQLayerOptions(), run, console)
         else:
             run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
-            layer = NVFP4LayerOptions() if input_scale is None else NVFP4LayerOptions(input_scale=input_scale)
+            layer = NVFP4LayerOptions() if job.input_scale is None else NVFP4LayerOptions(input_scale=job.input_scale)
             run_nvfp4(model, out, [str(calib)], options, layer, run, console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
     timings = report["timings_s"]
     calib_s = float(timings.get("calibrate_and_quantize", wall))
     tokens = int(report["calibration"]["tokens"])
-    searched = report.get("budget")
     return {
         "wall_s": round(wall, 2),  # the phases round to 2 decimals too, so wall_s >= each of them
-        "phase_seconds": {k: round(float(v), 2) for k, v in timings.items()},
+        "phase_seconds": _phase_seconds(report),
         "export_and_check_s": round(wall - calib_s, 1),
         "calibration_tokens": tokens,
         "calibration_tokens_per_s": round(tokens / calib_s, 1),
@@ -189,33 +209,25 @@ def run_quantizer(
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         "peak_cpu_rss_gib": _rss_gib(),  # the process's peak so far (earlier work in the process included)
         "cpu_rss_gib_by_phase": rss.summary(),  # sampled every 0.1 s during this quantizer only
-        **({"budget": {k: v for k, v in searched.items() if k != "units"}} if searched else {}),
+        **_budget_figures(report),
     }
 
 
-def run_launched(
-    method: str,
-    nproc: int,
-    model: Path,
-    calib: Path,
-    out: Path,
-    max_len: int,
-    input_scale: str | None = None,
-    budget: str | None = None,
-) -> dict[str, Any]:
+def run_launched(job: QuantRun, nproc: int) -> dict[str, Any]:
     """The command under ``torchrun --nproc-per-node nproc`` (one process: through torchrun too): wall time,
     calibration tokens/s, communication time, per-process tokens and peaks, and each shard's sha256."""
     import hashlib
     import subprocess
     import sys
 
+    out = job.out
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "-m", "salaquant", method, "-i", str(model), "-o", str(out)]
-    cmd += ["--calib", str(calib), "--max-len", str(max_len), "--overwrite"]
-    if method == "nvfp4" and input_scale is not None:
-        cmd += ["--input-scale", input_scale]
-    if budget is not None:
-        cmd += ["--budget", budget]
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "-m", "salaquant", job.method, "-i", str(job.model)]
+    cmd += ["-o", str(out), "--calib", str(job.calib), "--max-len", str(job.max_len), "--overwrite"]
+    if job.method == "nvfp4" and job.input_scale is not None:
+        cmd += ["--input-scale", job.input_scale]
+    if job.budget is not None:
+        cmd += ["--budget", job.budget]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
@@ -229,23 +241,23 @@ def run_launched(
     return {
         "processes": nproc,
         "wall_s": round(wall, 2),
-        "phase_seconds": {k: round(float(v), 2) for k, v in timings.items()},
+        "phase_seconds": _phase_seconds(report),
         "calibration_tokens_per_s": round(tokens / calib_s, 1),
         "communicate_s": round(float(timings.get("communicate", 0.0)), 2),
         "rank_tokens": report["rank_tokens"],
         "rank_peaks": report["rank_peaks"],
         "sha256": shards,
-        **({"budget": {k: v for k, v in report["budget"].items() if k != "units"}} if "budget" in report else {}),
+        **_budget_figures(report),
     }
 
 
-def scaling(method: str, nprocs: list[int], model: Path, calib: Path, scratch: Path, max_len: int, scale: str | None):
-    """``run_launched`` for every process count; efficiency = rate / (N x the one-process rate), and whether the
-    shards are those of one process."""
+def scaling(job: QuantRun, nprocs: list[int]) -> dict[int, dict[str, Any]]:
+    """``run_launched`` for every process count N, writing to ``job.out`` with ``-nN`` added to its name;
+    efficiency = rate / (N x the one-process rate), and whether the shards are those of one process."""
     rows = {}
     for n in nprocs:
-        rows[n] = run_launched(method, n, model, calib, scratch / f"export-{method}-n{n}", max_len, scale)
-        print(json.dumps({method: {n: rows[n]}}), flush=True)
+        rows[n] = run_launched(replace(job, out=job.out.with_name(f"{job.out.name}-n{n}")), n)
+        print(json.dumps({job.method: {n: rows[n]}}), flush=True)
     if 1 in rows:
         for n, r in rows.items():
             r["speedup"] = round(r["calibration_tokens_per_s"] / rows[1]["calibration_tokens_per_s"], 3)
@@ -344,11 +356,12 @@ def main() -> None:
     res["calibration_flop_floor_s"] = round(floor, 2)
     if args.nproc:
         for method in args.methods:
-            res[method] = scaling(method, args.nproc, model, calib, args.scratch, max_len, args.nvfp4_input_scale)
+            job = QuantRun(method, model, calib, args.scratch / f"export-{method}", max_len, args.nvfp4_input_scale)
+            res[method] = scaling(job, args.nproc)
             if method == "gptq" and args.budget:
                 n = min(args.nproc)
                 out = args.scratch / "export-gptq-budget"
-                b = run_launched(method, n, model, calib, out, max_len, budget=args.budget)
+                b = run_launched(QuantRun(method, model, calib, out, max_len, budget=args.budget), n)
                 res["gptq_budget"] = {n: with_budget_fractions(b, res[method][n])}
                 print(json.dumps({"gptq_budget": res["gptq_budget"]}), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +373,7 @@ def main() -> None:
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             profiler.enable()
-        r = run_quantizer(method, model, calib, out, device, max_len, args.nvfp4_input_scale)
+        r = run_quantizer(QuantRun(method, model, calib, out, max_len, args.nvfp4_input_scale), device)
         if profiler is not None:
             profiler.disable()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +389,7 @@ def main() -> None:
         print(json.dumps({method: r}, indent=2), flush=True)
         if method == "gptq" and args.budget:
             out = args.scratch / "export-gptq-budget"
-            b = run_quantizer(method, model, calib, out, device, max_len, budget=args.budget)
+            b = run_quantizer(QuantRun(method, model, calib, out, max_len, budget=args.budget), device)
             res["gptq_budget"] = with_budget_fractions(b, r)
             print(json.dumps({"gptq_budget": b}, indent=2), flush=True)
             shutil.rmtree(out, ignore_errors=True)
