@@ -11,7 +11,6 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -396,12 +395,7 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -9,7 +9,6 @@ import shutil
 from collections.abc import Mapping
 from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
-from types import TracebackType
 from typing import Any, cast
 
 import torch
@@ -119,12 +118,7 @@ class CheckpointWriter:
         self._tmp = staging_folder(self.out_dir)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         if exc_type is not None:
             self.abort()
             return
