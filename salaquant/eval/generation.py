@@ -13,7 +13,6 @@ Decoding stops after the EOS token (which is kept) or ``max_new_tokens``.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +74,7 @@ def continue_batch(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     out = Decoder(model, attention_mode=attention_mode).generate_checked(
-        prompts, max_new_tokens, sampling, generator=generator, eos_token_id=eos_id
+        prompts, max_new_tokens, sampling, generator, eos_id
     )
     return [Greedy(c.tokens.tolist(), c.nonfinite_step) for c in out]
 
@@ -184,23 +183,14 @@ def check_continuation(g: Greedy, unk_id: int | None) -> dict[str, Any]:
 def load_prompts(path: Path, tokenizer: Any) -> list[str]:
     """Prompts from a file: JSON Lines (``prompt``, else the text fields calibration reads) or plain text, one
     prompt per non-empty line. Raises ``CalibrationError`` naming the file and line."""
-    from ..calibration.calib_data import CalibrationError, record_text
+    from ..calibration.calib_data import CalibrationError, json_objects, record_text
 
     if not path.is_file():
         raise CalibrationError(f"--prompts {path}: no such file")
     prompts: list[str] = []
     lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix.lower() in (".jsonl", ".json"):
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise CalibrationError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        for where, record in json_objects(lines, path):
             prompt = record.get("prompt")
             prompts.append(prompt if isinstance(prompt, str) else record_text(record, tokenizer, None, where))
     else:

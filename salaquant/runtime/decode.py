@@ -161,7 +161,7 @@ class Decoder:
     ) -> list[torch.Tensor]:
         """The new tokens of each prompt (``[n]`` int64, at most ``max_new_tokens``; a row that stopped is cut
         after its EOS). Raises `NonFiniteLogits` (after decoding) if any step of a kept row had NaN/Inf logits."""
-        out = self.generate_checked(prompts, max_new_tokens, sampling, generator=generator, eos_token_id=eos_token_id)
+        out = self.generate_checked(prompts, max_new_tokens, sampling, generator, eos_token_id)
         bad = [(c.nonfinite_step, row) for row, c in enumerate(out) if c.nonfinite_step is not None]
         if bad:
             step, row = min(bad)
@@ -173,13 +173,13 @@ class Decoder:
         self,
         prompts: Sequence[torch.Tensor],
         max_new_tokens: int,
-        sampling: Sampling | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        eos_token_id: int | None = None,
+        sampling: Sampling | None,
+        generator: torch.Generator | None,
+        eos_token_id: int | None,
     ) -> list[Continuation]:
-        """``generate``, reporting NaN/Inf per prompt instead of raising: each prompt's new tokens and the first
-        step whose logits were not finite (0: the prefill, whose hidden states are checked at every position)."""
+        """``generate`` with every argument given, reporting NaN/Inf per prompt instead of raising: each prompt's
+        new tokens and the first step whose logits were not finite (0: the prefill, whose hidden states are
+        checked at every position)."""
         if not prompts:
             return []
         if max_new_tokens < 1:
