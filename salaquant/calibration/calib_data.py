@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -371,21 +371,28 @@ def _read_file(path: Path, group: str, tokenizer: Any, field_name: str | None) -
     return [_Record(str(path), group, lambda: text)]
 
 
+def json_objects(lines: Iterable[str], path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``("FILE:LINE", object)`` for each non-blank line of a JSON Lines file; a line that is not a JSON object
+    raises ``CalibrationError`` naming the file and line."""
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            hint = " (expected one JSON object per line)" if lineno == 1 else ""
+            raise CalibrationError(f"{where}: malformed JSON: {exc}{hint}") from exc
+        if not isinstance(obj, dict):
+            raise CalibrationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
+
+
 def _read_jsonl(path: Path, group: str, tokenizer: Any, field_name: str | None) -> list[_Record]:
     out: list[_Record] = []
     try:
         with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    hint = " (expected one JSON object per line)" if lineno == 1 else ""
-                    raise CalibrationError(f"{where}: malformed JSON: {exc}{hint}") from exc
-                if not isinstance(obj, dict):
-                    raise CalibrationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for where, obj in json_objects(fh, path):
                 text = record_text(obj, tokenizer, field_name, where)
                 out.append(_Record(where, group, lambda t=text: t))
     except UnicodeDecodeError as exc:
