@@ -4,7 +4,11 @@ same bound."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from salaquant.model.gla import check_inputs
 
 
 def gla_inputs(
@@ -35,3 +39,29 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, rel: float
     assert torch.isfinite(actual).all()
     atol = rel * max(1.0, expected.abs().max().item())
     torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4)
+
+
+def naive_recurrent_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_gamma: torch.Tensor,
+    scale: float,
+    h0: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: the recurrence ``s_t = exp(g) s_{t-1} + k_t v_t^T``, ``o_t = scale q_t^T s_t`` written out token
+    by token, one (batch, head) pair at a time, in fp32. Returns ``o [B, T, H, V]`` and the final state."""
+    check_inputs(q, k, v, g_gamma, h0)
+    b_size, t_size, h_size, dk = q.shape
+    dv = v.shape[-1]
+    o = torch.zeros(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
+    final = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
+    for b in range(b_size):
+        for h in range(h_size):
+            decay = math.exp(float(g_gamma[h]))
+            s = torch.zeros(dk, dv, device=q.device) if h0 is None else h0[b, h].float().clone()
+            for t in range(t_size):
+                s = decay * s + torch.outer(k[b, t, h].float(), v[b, t, h].float())
+                o[b, t, h] = scale * (q[b, t, h].float() @ s)
+            final[b, h] = s
+    return o, final

@@ -1,12 +1,11 @@
 import pytest
 import torch
 from gla_checks import assert_close_scaled as _close
-from gla_checks import gla_inputs
+from gla_checks import gla_inputs, naive_recurrent_gla
 
 from salaquant.model.gla import (
     alibi_slopes,
     chunk_gla,
-    naive_recurrent_gla,
     recurrent_gla,
     simple_gla,
 )
@@ -26,7 +25,7 @@ def _inputs(t: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[
 def test_chunk_matches_naive(t: int, with_state: bool, chunk_size: int) -> None:
     q, k, v, s0 = _inputs(t)
     init = s0 if with_state else None
-    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, init, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, init)
     o, s = chunk_gla(q, k, v, G_GAMMA, SCALE, init, output_final_state=True, chunk_size=chunk_size)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -41,7 +40,7 @@ def test_chunk_matches_naive(t: int, with_state: bool, chunk_size: int) -> None:
 def test_recurrent_matches_naive(t: int, with_state: bool) -> None:
     q, k, v, s0 = _inputs(t, seed=1)
     init = s0 if with_state else None
-    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, init, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, init)
     o, s = recurrent_gla(q, k, v, G_GAMMA, SCALE, init, output_final_state=True)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -52,7 +51,7 @@ def test_recurrent_matches_naive(t: int, with_state: bool) -> None:
 @pytest.mark.parametrize("t", [63, 64, 130])
 def test_simple_gla_matches_naive(t: int) -> None:
     q, k, v, s0 = _inputs(t, seed=2)
-    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, s0)
     o, s = simple_gla(q, k, v, G_GAMMA, SCALE, s0, output_final_state=True)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -121,7 +120,7 @@ def test_fast_decay_long_sequence_is_finite() -> None:
     o, s = chunk_gla(q, k, v, g, SCALE, s0, output_final_state=True)
     assert s is not None
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    o_ref, s_ref = naive_recurrent_gla(q, k, v, g, SCALE, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, g, SCALE, s0)
     assert s_ref is not None
     _close(o, o_ref)
     _close(s, s_ref)
@@ -130,7 +129,7 @@ def test_fast_decay_long_sequence_is_finite() -> None:
 def test_low_precision_inputs_compute_in_fp32() -> None:
     t = 70
     q, k, v, s0 = _inputs(t, seed=6, dtype=torch.bfloat16)
-    o_ref, s_ref = naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, SCALE, s0, True)
+    o_ref, s_ref = naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, SCALE, s0)
     for fn in (recurrent_gla, chunk_gla, simple_gla):
         o, s = fn(q, k, v, G_GAMMA, SCALE, s0, True)
         assert s is not None and s_ref is not None

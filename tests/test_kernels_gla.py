@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from gla_checks import assert_close_scaled as _close
-from gla_checks import gla_inputs
+from gla_checks import gla_inputs, naive_recurrent_gla
 
 from salaquant.model import gla as ref
 
@@ -60,7 +60,7 @@ def test_chunk_matches_naive(t: int, with_state: bool, poison: None) -> None:
     q, k, v, s0 = _inputs(t)
     init = s0 if with_state else None
     scale = q.shape[-1] ** -0.5
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, scale, init, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, scale, init)
     o, s = _tk().chunk_fwd(q, k, v, G_GAMMA, scale, init, output_final_state=True)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -77,7 +77,7 @@ def test_chunk_strided_partial_tiles(poison: None) -> None:
     fused = torch.randn(B, t, H, 2 * dk + dv)
     q, k, v = fused[..., :dk], fused[..., dk : 2 * dk], fused[..., 2 * dk :]
     s0 = torch.randn(B, H, dk, dv)
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.3, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.3, s0)
     o, s = _tk().chunk_fwd(q, k, v, G_GAMMA, 0.3, s0, output_final_state=True)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -99,7 +99,7 @@ def test_chunk_out_dtype_is_the_fp32_output_rounded_once(t: int, poison: None) -
     assert o.dtype == out_dtype and s is not None and s32 is not None
     assert torch.equal(o, o32.to(out_dtype))
     assert torch.equal(s, s32)
-    o_ref, _ = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0)
+    o_ref, _ = naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0)
     _close(o32, o_ref)
     # the reference and the model's dispatch honour it too
     o_r, _ = ref.simple_gla(q, k, v, G_GAMMA, 0.2, s0, out_dtype=out_dtype)
@@ -122,7 +122,7 @@ def test_upcast_equals_fp32_inputs(t: int, poison: None) -> None:
     o16, s16 = ref.simple_gla(q, k, v, G_GAMMA, 0.2, s0, True, backend="triton")
     assert s32 is not None and s16 is not None
     assert torch.equal(o16, o32) and torch.equal(s16, s32)
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0)
     assert s_ref is not None
     _close(o16, o_ref)
     _close(s16, s_ref)
@@ -140,7 +140,7 @@ def test_chunk_option_errors() -> None:
 @pytest.mark.interpreter
 def test_chunk_fp16_inputs(poison: None) -> None:
     q, k, v, s0 = _inputs(130, dtype=torch.float16)
-    o_ref, s_ref = ref.naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, 0.25, s0, True)
+    o_ref, s_ref = naive_recurrent_gla(q.float(), k.float(), v.float(), G_GAMMA, 0.25, s0)
     o, s = _tk().chunk_fwd(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
     assert s is not None and s_ref is not None
     assert _rel_err(o, o_ref) < 3e-3
@@ -201,7 +201,7 @@ def test_chunk_tiles_fit_head_dims(poison: None) -> None:
     assert all(bk == 16 and bv in (32, 64) for bk, bv, _, _ in tiles)
     # the largest GPU tiles, pinned, on a head dim they overhang (K=16) and a partial V tile (V=40)
     q, k, v, s0 = _inputs(70, dk=16, dv=40)
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0)
     o, s = tk.chunk_fwd(q, k, v, G_GAMMA, 0.25, s0, True, configs=((128, 32, 8, 3), (128, 128, 8, 2)))
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -214,7 +214,7 @@ def test_chunk_tiles_fit_head_dims(poison: None) -> None:
 def test_recurrent_matches_naive(t: int, with_state: bool, poison: None) -> None:
     q, k, v, s0 = _inputs(t, dk=32, dv=32)
     init = s0 if with_state else None
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, init, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, init)
     o, s = _tk().recurrent_fwd(q, k, v, G_GAMMA, 0.2, init, output_final_state=True)
     assert s is not None and s_ref is not None
     _close(o, o_ref)
@@ -233,7 +233,7 @@ def test_recurrent_updates_the_state_in_place(t: int, poison: None) -> None:
     from salaquant.kernels.ops import gla_recurrent_op
 
     q, k, v, s0 = _inputs(t, dk=32, dv=32)
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.2, s0)
     assert s_ref is not None
     buf = s0.clone()
     o, s = _tk().recurrent_fwd(q, k, v, G_GAMMA, 0.2, buf, state_out=buf)
@@ -297,7 +297,7 @@ def test_simple_gla_dispatch(t: int, used: str, monkeypatch: pytest.MonkeyPatch)
         fn = getattr(gla, name)
         monkeypatch.setattr(gla, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
     q, k, v, s0 = _inputs(t)
-    o_ref, s_ref = ref.naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gla(q, k, v, G_GAMMA, 0.25, s0)
     o, s = ref.simple_gla(q, k, v, G_GAMMA, 0.25, s0, output_final_state=True, backend="triton")
     assert calls == [used]
     assert s is not None and s_ref is not None

@@ -22,7 +22,6 @@ __all__ = [
     "RECURRENT_MAX_LEN",
     "alibi_slopes",
     "chunk_gla",
-    "naive_recurrent_gla",
     "recurrent_gla",
     "simple_gla",
 ]
@@ -57,7 +56,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(_slopes(num_heads), dtype=torch.float32)
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None) -> None:
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k [B, T, H, K] and v [B, T, H, V]; got {q.shape}, {k.shape}, {v.shape}")
     b, _, h, dk = q.shape
@@ -75,7 +74,7 @@ def _start(
     """What every reference form starts from: the checked sizes ``(B, T, H, K, V)`` and the fp32 state
     ``[B, H, K, V]`` before the first token (a fresh copy of ``initial_state``, so that the caller's tensor is
     never the returned final state; zeros when it is not given)."""
-    _check_inputs(q, k, v, g_gamma, initial_state)
+    check_inputs(q, k, v, g_gamma, initial_state)
     b_size, t_size, h_size, dk = q.shape
     dv = v.shape[-1]
     if initial_state is None:
@@ -83,33 +82,6 @@ def _start(
     else:
         state = initial_state.float().clone()
     return (b_size, t_size, h_size, dk, dv), state
-
-
-def naive_recurrent_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_gamma: Tensor,
-    scale: float,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Literal token-by-token recurrence, one (batch, head) pair at a time. Test oracle."""
-    (b_size, t_size, h_size, dk, dv), start = _start(q, k, v, g_gamma, initial_state)
-    o = torch.zeros(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
-    final = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
-    for b in range(b_size):
-        for h in range(h_size):
-            decay = math.exp(float(g_gamma[h]))
-            s = start[b, h]
-            for t in range(t_size):
-                q_t = q[b, t, h].float()
-                k_t = k[b, t, h].float()
-                v_t = v[b, t, h].float()
-                s = decay * s + torch.outer(k_t, v_t)
-                o[b, t, h] = scale * (q_t @ s)
-            final[b, h] = s
-    return o, (final if output_final_state else None)
 
 
 def recurrent_gla(
@@ -216,7 +188,7 @@ def simple_gla(
             o, final = simple_gla(q, k, v, g_gamma, scale, initial_state, True, out_dtype=out_dtype, backend=backend)
             assert final is not None
             return o, initial_state.copy_(final)
-        _check_inputs(q, k, v, g_gamma, initial_state)
+        check_inputs(q, k, v, g_gamma, initial_state)
         if torch.compiler.is_compiling():
             from ..kernels.ops import gla_recurrent_op
 
@@ -225,7 +197,7 @@ def simple_gla(
 
         return gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, state_out=initial_state)
     if use_triton(backend, q, k, v) and not (torch.compiler.is_compiling() and short):
-        _check_inputs(q, k, v, g_gamma, initial_state)
+        check_inputs(q, k, v, g_gamma, initial_state)
         from ..kernels import gla
 
         if short:
