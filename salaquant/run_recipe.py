@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -97,121 +98,122 @@ def _quantize(
     accept: Callable[[Path], None] | None,
 ) -> None:
     """The recipe's quantizer, run into ``output`` (``accept``: its eval gate)."""
+    runner = _gptq_runner if recipe.method in ("gptq", "rtn") else _nvfp4_runner
+    quantize = runner(recipe, resume, overwrite, show_progress)
     extra = {"recipe.yaml": recipe.to_yaml()}
-    q, e = recipe.quantization, recipe.engine
-    if recipe.method in ("gptq", "rtn"):
-        from .gptq.command import RunOptions, run_gptq
-        from .gptq.layer import GPTQLayerOptions
-        from .gptq.plan import BitsOptions, BitsRule, PlanError
-
-        g = recipe.gptq
-        alpha, groups = smoothing_for(recipe)
-        bits = BitsOptions(
-            bits=q.bits,
-            group_size=q.group_size,
-            minicpm4_bits=q.minicpm4_bits,
-            lightning_bits=q.lightning_bits,
-            layer_bits=q.layer_bits,
-            exclude=tuple(q.exclude),
-            rules=tuple(BitsRule(x.match, x.bits, x.group_size) for x in q.rules),
-            budget=q.budget,
-            budget_windows=q.budget_windows,
-            budget_seq_len=q.budget_seq_len,
+    try:
+        quantize(
+            model,
+            output,
+            recipe.calibration.sources,
+            calib_options(recipe),
+            console=console,
+            extra_files=extra,
+            accept=accept,
         )
-        layer = GPTQLayerOptions(
-            damp=g.damp,
-            block_size=g.block_size,
-            act_order=g.act_order,
-            mse=g.mse,
-            fp64=g.fp64,
-            smooth_alpha=alpha,
-            smooth_groups=groups,
-            hessian_weighting=g.hessian_weighting,
-            method="rtn" if recipe.method == "rtn" else "gptq",
-        )
-        run = RunOptions(
-            device=e.device,
-            chunk_tokens=e.chunk_tokens,
-            propagate=e.propagate,
-            tp=recipe.export.tp,
-            max_shard_bytes=parse_size(recipe.export.shard_size),
-            resume=resume,
-            overwrite=overwrite,
-            show_progress=show_progress,
-            marlin_fallback=recipe.export.marlin_fallback,
-        )
-        try:
-            run_gptq(
-                model,
-                output,
-                recipe.calibration.sources,
-                calib_options(recipe),
-                bits,
-                layer,
-                run,
-                console,
-                extra_files=extra,
-                accept=accept,
-            )
-        except PlanError as exc:
-            if exc.rule is not None and recipe_path is not None:
-                key = ("quantization", "rules", exc.rule)
-                raise RecipeError(f"{key_line(recipe_path, key)}: quantization.{exc}") from exc
-            if exc.exclude is not None and recipe_path is not None:
-                raise _exclude_error(recipe_path, ("quantization", "exclude", exc.exclude), exc) from exc
+    except ValueError as exc:
+        refusal = _refusal(recipe, recipe_path, exc)
+        if refusal is None:
             raise
-    else:
-        from .nvfp4.command import NVFP4RunOptions, run_nvfp4
-        from .nvfp4.layer import NVFP4LayerOptions
-        from .nvfp4.plan import NVFP4PlanError
-
-        n = recipe.nvfp4
-        alpha, groups = smoothing_for(recipe)
-        layer4 = NVFP4LayerOptions(
-            mse_iters=n.mse_iters,
-            mse_max_shrink=n.mse_max_shrink,
-            smooth_alpha=alpha,
-            smooth_groups=groups,
-            input_scale=n.input_scale,
-            rounding=n.rounding,
-            static_scales=n.static_scales,
-        )
-        run4 = NVFP4RunOptions(
-            dense_all=n.dense_all,
-            exclude=tuple(n.exclude + q.exclude),
-            budget=q.budget,
-            budget_windows=q.budget_windows,
-            budget_seq_len=q.budget_seq_len,
-            device=e.device,
-            chunk_tokens=e.chunk_tokens,
-            propagate=e.propagate,
-            max_shard_bytes=parse_size(recipe.export.shard_size),
-            resume=resume,
-            overwrite=overwrite,
-            show_progress=show_progress,
-        )
-        try:
-            run_nvfp4(
-                model,
-                output,
-                recipe.calibration.sources,
-                calib_options(recipe),
-                layer4,
-                run4,
-                console,
-                extra_files=extra,
-                accept=accept,
-            )
-        except NVFP4PlanError as exc:
-            if exc.exclude is not None and recipe_path is not None:
-                k = exc.exclude  # run4.exclude is nvfp4.exclude, then quantization.exclude
-                key = ("nvfp4", "exclude", k) if k < len(n.exclude) else ("quantization", "exclude", k - len(n.exclude))
-                raise _exclude_error(recipe_path, key, exc) from exc
-            raise
+        raise refusal from exc
 
 
-def _exclude_error(recipe_path: str, key: tuple[str, str, int], exc: Exception) -> RecipeError:
-    """A plan's refusal of an ``--exclude`` pattern, said of the recipe key that gave it (file, line, key)."""
+def _gptq_runner(recipe: Recipe, resume: bool, overwrite: bool, show_progress: bool) -> Callable[..., Path]:
+    """``run_gptq`` with the recipe's bits plan, solver and run settings (``rtn``: the same grid, no solve)."""
+    from .gptq.command import RunOptions, run_gptq
+    from .gptq.layer import GPTQLayerOptions
+    from .gptq.plan import BitsOptions, BitsRule
+
+    q, e, g = recipe.quantization, recipe.engine, recipe.gptq
+    alpha, groups = smoothing_for(recipe)
+    bits = BitsOptions(
+        bits=q.bits,
+        group_size=q.group_size,
+        minicpm4_bits=q.minicpm4_bits,
+        lightning_bits=q.lightning_bits,
+        layer_bits=q.layer_bits,
+        exclude=tuple(q.exclude),
+        rules=tuple(BitsRule(x.match, x.bits, x.group_size) for x in q.rules),
+        budget=q.budget,
+        budget_windows=q.budget_windows,
+        budget_seq_len=q.budget_seq_len,
+    )
+    layer = GPTQLayerOptions(
+        damp=g.damp,
+        block_size=g.block_size,
+        act_order=g.act_order,
+        mse=g.mse,
+        fp64=g.fp64,
+        smooth_alpha=alpha,
+        smooth_groups=groups,
+        hessian_weighting=g.hessian_weighting,
+        method="rtn" if recipe.method == "rtn" else "gptq",
+    )
+    run = RunOptions(
+        device=e.device,
+        chunk_tokens=e.chunk_tokens,
+        propagate=e.propagate,
+        tp=recipe.export.tp,
+        max_shard_bytes=parse_size(recipe.export.shard_size),
+        resume=resume,
+        overwrite=overwrite,
+        show_progress=show_progress,
+        marlin_fallback=recipe.export.marlin_fallback,
+    )
+    return functools.partial(run_gptq, bits=bits, layer=layer, run=run)
+
+
+def _nvfp4_runner(recipe: Recipe, resume: bool, overwrite: bool, show_progress: bool) -> Callable[..., Path]:
+    """``run_nvfp4`` with the recipe's exclusions, scale search, rounding and run settings."""
+    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from .nvfp4.layer import NVFP4LayerOptions
+
+    q, e, n = recipe.quantization, recipe.engine, recipe.nvfp4
+    alpha, groups = smoothing_for(recipe)
+    layer = NVFP4LayerOptions(
+        mse_iters=n.mse_iters,
+        mse_max_shrink=n.mse_max_shrink,
+        smooth_alpha=alpha,
+        smooth_groups=groups,
+        input_scale=n.input_scale,
+        rounding=n.rounding,
+        static_scales=n.static_scales,
+    )
+    run = NVFP4RunOptions(
+        dense_all=n.dense_all,
+        exclude=tuple(n.exclude + q.exclude),
+        budget=q.budget,
+        budget_windows=q.budget_windows,
+        budget_seq_len=q.budget_seq_len,
+        device=e.device,
+        chunk_tokens=e.chunk_tokens,
+        propagate=e.propagate,
+        max_shard_bytes=parse_size(recipe.export.shard_size),
+        resume=resume,
+        overwrite=overwrite,
+        show_progress=show_progress,
+    )
+    return functools.partial(run_nvfp4, layer=layer, run=run)
+
+
+def _refusal(recipe: Recipe, recipe_path: str | None, exc: ValueError) -> RecipeError | None:
+    """A plan's refusal of a bits rule or an exclusion, said of the recipe key that gave it (file, line, key);
+    None for any other error, or without a recipe file."""
+    from .gptq.plan import PlanError
+    from .nvfp4.plan import NVFP4PlanError
+
+    if recipe_path is None or not isinstance(exc, (PlanError, NVFP4PlanError)):
+        return None
+    if isinstance(exc, PlanError) and exc.rule is not None:
+        key = ("quantization", "rules", exc.rule)
+        return RecipeError(f"{key_line(recipe_path, key)}: quantization.{exc}")
+    if exc.exclude is None:
+        return None
+    k, own = exc.exclude, recipe.nvfp4.exclude
+    if isinstance(exc, PlanError):
+        key = ("quantization", "exclude", k)
+    else:  # NVFP4's exclusions are nvfp4.exclude, then quantization.exclude
+        key = ("nvfp4", "exclude", k) if k < len(own) else ("quantization", "exclude", k - len(own))
     return RecipeError(f"{key_line(recipe_path, key)}: {key[0]}.{key[1]}[{key[2]}]: {exc}")
 
 
