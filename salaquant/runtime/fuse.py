@@ -23,12 +23,19 @@ from torch import nn
 from ..model.layout import RUNTIME_FUSED
 from .linear import GPTQLinear, NVFP4Linear
 
+_QUANTIZED: dict[type[nn.Module], tuple[tuple[tuple[str, int], ...], tuple[str, ...]]] = {
+    GPTQLinear: ((("qweight", 1), ("scales", 1)), ("bits", "group_size", "backend")),
+    NVFP4Linear: ((("weight", 0), ("weight_scale", 0)), ("weight_scale_2", "backend", "input_scale")),
+}
+"""Per quantized linear: the tensors concatenated (attribute, dimension) and the settings its members must
+share, in the order of its constructor's arguments."""
 
-def _same(tensors: list[torch.Tensor | None]) -> bool:
-    first = tensors[0]
-    if first is None:
-        return all(t is None for t in tensors)
-    return all(t is not None and torch.equal(t, first) for t in tensors[1:])
+
+def _same(values: list[object]) -> bool:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return all(isinstance(t, torch.Tensor) and torch.equal(t, first) for t in values[1:])
+    return all(v == first for v in values[1:])
 
 
 def fuse_linears(members: list[nn.Module]) -> nn.Module | None:
@@ -41,31 +48,14 @@ def fuse_linears(members: list[nn.Module]) -> nn.Module | None:
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         fused.weight = nn.Parameter(weight, requires_grad=False)
         return fused
-    if all(isinstance(m, GPTQLinear) for m in members):
-        assert isinstance(first, GPTQLinear)
-        if any((m.bits, m.group_size, m.backend) != (first.bits, first.group_size, first.backend) for m in members):
-            return None
-        return GPTQLinear(
-            torch.cat([m.qweight for m in members], 1),
-            torch.cat([m.scales for m in members], 1),
-            first.bits,
-            first.group_size,
-            first.backend,
-        )
-    if all(isinstance(m, NVFP4Linear) for m in members):
-        assert isinstance(first, NVFP4Linear)
-        if not _same([m.weight_scale_2 for m in members]) or not _same([m.input_scale for m in members]):
-            return None
-        if any(m.backend != first.backend for m in members):
-            return None
-        return NVFP4Linear(
-            torch.cat([m.weight for m in members], 0),
-            torch.cat([m.weight_scale for m in members], 0),
-            first.weight_scale_2,
-            first.backend,
-            first.input_scale,
-        )
-    return None
+    kind = type(first)
+    if kind not in _QUANTIZED or not all(type(m) is kind for m in members):
+        return None
+    stacked, shared = _QUANTIZED[kind]
+    if not all(_same([getattr(m, name) for m in members]) for name in shared):
+        return None
+    tensors = [torch.cat([getattr(m, name) for m in members], dim) for name, dim in stacked]
+    return kind(*tensors, *(getattr(first, name) for name in shared))
 
 
 def fuse_layer(layer: nn.Module) -> list[str]:
