@@ -21,6 +21,7 @@ A NaN measurement fails every threshold on it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,64 +91,51 @@ class Thresholds:
         def missing(name: str, limit: Any, what: str) -> None:
             add(name, limit, None, False, f"{name}: {what} was not measured")
 
-        if self.max_ppl_increase is not None:
-            if ppl is None:
-                missing("max_ppl_increase", self.max_ppl_increase, "perplexity")
+        def bound(
+            name: str, value: float | None, what: str, message: Callable[[float, float], str], lower: bool = False
+        ) -> None:
+            """The gate ``name`` (a limit of this object, None: not given) on ``value`` (None: not measured): an
+            upper bound, or with ``lower`` a lower one."""
+            limit = getattr(self, name)
+            if limit is None:
+                return
+            if value is None:
+                missing(name, limit, what)
             else:
-                v = ppl["ppl_increase"]
-                add(
-                    "max_ppl_increase",
-                    self.max_ppl_increase,
-                    v,
-                    _le(v, self.max_ppl_increase),
-                    f"ppl increase {_pct(v)} (limit {_pct(self.max_ppl_increase)})",
-                )
-        if self.max_kl is not None:
-            if ppl is None:
-                missing("max_kl", self.max_kl, "KL")
-            else:
-                v = ppl["kl"]
-                add("max_kl", self.max_kl, v, _le(v, self.max_kl), f"KL {v:.5f} per token (limit {self.max_kl:g})")
-        if self.min_top1 is not None:
-            if ppl is None:
-                missing("min_top1", self.min_top1, "top-1 agreement")
-            else:
-                v = ppl["top1"]
-                add(
-                    "min_top1",
-                    self.min_top1,
-                    v,
-                    _le(self.min_top1, v),
-                    f"top-1 agreement {_pct(v, sign=False)} (limit {_pct(self.min_top1, sign=False)})",
-                )
-        if self.max_layer_error is not None:
-            worst = (result.get("layers") or {}).get("worst")
-            if worst is None:
-                missing("max_layer_error", self.max_layer_error, "per-layer error")
-            else:
-                v = worst["rel_err"]
-                add(
-                    "max_layer_error",
-                    self.max_layer_error,
-                    v,
-                    _le(v, self.max_layer_error),
-                    f"worst layer {worst['name']} ({worst['kind']}) rel. error {v:.4g} "
-                    f"(limit {self.max_layer_error:g})",
-                )
-        if self.max_niah_drop is not None:
-            niah = result.get("niah")
-            if not niah or not niah.get("cases"):
-                missing("max_niah_drop", self.max_niah_drop, "NIAH")
-            else:
-                v = niah["source_rate"] - niah["quantized_rate"]
-                add(
-                    "max_niah_drop",
-                    self.max_niah_drop,
-                    v,
-                    _le(v, self.max_niah_drop),
-                    f"NIAH exact match {_pct(niah['source_rate'], sign=False)} -> "
-                    f"{_pct(niah['quantized_rate'], sign=False)} (largest drop allowed {_pct(self.max_niah_drop)})",
-                )
+                add(name, limit, value, _le(limit, value) if lower else _le(value, limit), message(value, limit))
+
+        bound(
+            "max_ppl_increase",
+            ppl and ppl["ppl_increase"],
+            "perplexity",
+            lambda v, lim: f"ppl increase {_pct(v)} (limit {_pct(lim)})",
+        )
+        bound("max_kl", ppl and ppl["kl"], "KL", lambda v, lim: f"KL {v:.5f} per token (limit {lim:g})")
+        bound(
+            "min_top1",
+            ppl and ppl["top1"],
+            "top-1 agreement",
+            lambda v, lim: f"top-1 agreement {_pct(v, sign=False)} (limit {_pct(lim, sign=False)})",
+            lower=True,
+        )
+        worst = (result.get("layers") or {}).get("worst")
+        bound(
+            "max_layer_error",
+            worst and worst["rel_err"],
+            "per-layer error",
+            lambda v, lim: f"worst layer {worst['name']} ({worst['kind']}) rel. error {v:.4g} (limit {lim:g})",
+        )
+        niah = result.get("niah")
+        niah_drop = niah["source_rate"] - niah["quantized_rate"] if niah and niah.get("cases") else None
+        bound(
+            "max_niah_drop",
+            niah_drop,
+            "NIAH",
+            lambda v, lim: (
+                f"NIAH exact match {_pct(niah['source_rate'], sign=False)} -> "
+                f"{_pct(niah['quantized_rate'], sign=False)} (largest drop allowed {_pct(lim)})"
+            ),
+        )
         for task, limit in (self.max_task_drop or {}).items():
             rows = [r for r in (result.get("tasks") or {}).get("by_task", []) if r["task"] == task]
             if not rows:
@@ -162,19 +150,13 @@ class Thresholds:
                 _le(src - qnt, limit),
                 f"{task} score {_pct(src, sign=False)} -> {_pct(qnt, sign=False)} (largest drop allowed {_pct(limit)})",
             )
-        if self.max_rerun_diff is not None:
-            st = result.get("stability")
-            if st is None:
-                missing("max_rerun_diff", self.max_rerun_diff, "run-to-run stability")
-            else:
-                v = st["max_abs_logit_diff"]
-                add(
-                    "max_rerun_diff",
-                    self.max_rerun_diff,
-                    v,
-                    _le(v, self.max_rerun_diff),
-                    f"rerun max |logit difference| {v:.4g} (limit {self.max_rerun_diff:g})",
-                )
+        stability = result.get("stability")
+        bound(
+            "max_rerun_diff",
+            stability and stability["max_abs_logit_diff"],
+            "run-to-run stability",
+            lambda v, lim: f"rerun max |logit difference| {v:.4g} (limit {lim:g})",
+        )
         if self.no_collapse:
             problems = collapse_problems(result)
             add("no_collapse", True, len(problems), not problems, "; ".join(problems) or "no collapse, no NaN/Inf")
