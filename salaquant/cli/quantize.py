@@ -10,9 +10,9 @@ import typer
 from rich.table import Table
 
 from ..io.files import CheckpointError
-from ..settings import SMOOTH_BY_DEFAULT
+from ..settings import SMOOTH_BY_DEFAULT, Recipe
 from .app import app, console, fail, interrupted
-from .blocks import Flags, with_blocks
+from .blocks import FlagBlock, Flags, with_blocks
 from .options import (
     _GPTQ,
     _NVFP4,
@@ -101,15 +101,19 @@ NVFP4_EXPORT = (("shard_size", str, SHARD_HELP),)
 """The method flags of ``gptq`` and ``nvfp4``, by settings section: ``(key, type, help[, declarations])``."""
 
 
+def quantizer_blocks(settings: Recipe, **sections: tuple[tuple[Any, ...], ...]) -> dict[str, FlagBlock]:
+    """The flag blocks of a quantizer command: calibration, one per settings section (its table), the engine, and
+    what to do with an output folder already there."""
+    return {
+        "calibration": calibration_block(settings, settings.calibration.max_samples),
+        **{name: table_block(getattr(settings, name), table) for name, table in sections.items()},
+        "engine": engine_block(settings),
+        "existing": RUN_BLOCK,
+    }
+
+
 @app.command("gptq")
-@with_blocks(
-    calibration=calibration_block(_GPTQ, _GPTQ.calibration.max_samples),
-    quantization=table_block(_GPTQ.quantization, GPTQ_QUANTIZATION),
-    gptq=table_block(_GPTQ.gptq, GPTQ_SOLVER),
-    engine=engine_block(_GPTQ),
-    export=table_block(_GPTQ.export, GPTQ_EXPORT),
-    existing=RUN_BLOCK,
-)
+@with_blocks(**quantizer_blocks(_GPTQ, quantization=GPTQ_QUANTIZATION, gptq=GPTQ_SOLVER, export=GPTQ_EXPORT))
 def gptq_command(
     *,
     input: Input,
@@ -146,13 +150,7 @@ def gptq_command(
 
 
 @app.command("nvfp4")
-@with_blocks(
-    calibration=calibration_block(_NVFP4, _NVFP4.calibration.max_samples),
-    nvfp4=table_block(_NVFP4.nvfp4, NVFP4_OPTIONS),
-    engine=engine_block(_NVFP4),
-    export=table_block(_NVFP4.export, NVFP4_EXPORT),
-    existing=RUN_BLOCK,
-)
+@with_blocks(**quantizer_blocks(_NVFP4, nvfp4=NVFP4_OPTIONS, export=NVFP4_EXPORT))
 def nvfp4_command(
     *,
     input: Input,
