@@ -22,30 +22,39 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "sala-tiny"
 CALIB = ROOT / "calib" / "sala-tiny-calib.jsonl"
-# keys whose values change from run to run or with the folder, not with the computation
-VOLATILE = ("seconds", "time", "wall", "path", "output", "date", "elapsed", "rate", "per_s", "tokens_s")
+# keys whose values change from run to run, not with the computation (``*_s``: seconds)
+VOLATILE = ("seconds", "time", "wall", "date", "elapsed", "rate")
 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _stable(obj: Any) -> Any:
-    """``obj`` without the keys named in ``VOLATILE``: what a computation, not a clock, decides."""
+def _volatile(key: str) -> bool:
+    return key.lower().endswith("_s") or any(word in key.lower() for word in VOLATILE)
+
+
+def _stable(obj: Any, folders: dict[str, str]) -> Any:
+    """``obj`` without the keys `_volatile` names, and with each path of ``folders`` written as its name: what a
+    computation, not a clock or a folder, decides."""
     if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items() if not any(word in k.lower() for word in VOLATILE)}
+        return {k: _stable(v, folders) for k, v in obj.items() if not _volatile(k)}
     if isinstance(obj, list):
-        return [_stable(v) for v in obj]
+        return [_stable(v, folders) for v in obj]
+    if isinstance(obj, str):
+        for path, name in folders.items():
+            obj = obj.replace(path, name)
     return obj
 
 
-def _hash_tree(folder: Path, root: Path) -> list[str]:
+def _hash_tree(folder: Path, root: Path, checkout: str) -> list[str]:
     lines = []
     for path in sorted(folder.rglob("*")):
         if path.suffix == ".safetensors" or path.name == "quantize_config.json":
             lines.append(f"{_sha(path)}  {path.relative_to(root)}")
         elif path.suffix == ".json" and path.name in ("demo.json", "quality.json"):
-            stable = json.dumps(_stable(json.loads(path.read_text())), sort_keys=True)
+            folders = {str(root.resolve()): "OUT", checkout: "CHECKOUT"}
+            stable = json.dumps(_stable(json.loads(path.read_text()), folders), sort_keys=True)
             lines.append(f"{hashlib.sha256(stable.encode()).hexdigest()}  {path.relative_to(root)} (numbers)")
     return lines
 
@@ -61,8 +70,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="A new folder for the runs and hashes.txt.")
     parser.add_argument("--skip-quality", action="store_true", help="Leave out the quality smoke run (slowest).")
+    parser.add_argument(
+        "--hash-only",
+        metavar="CHECKOUT",
+        help="Run nothing: hash the runs already in --out, made from the checkout at this path.",
+    )
     args = parser.parse_args()
     out: Path = args.out
+    if args.hash_only is not None:
+        _write(out, args.hash_only)
+        return
     out.mkdir(parents=True, exist_ok=False)
     cli = [sys.executable, "-m", "salaquant"]
     _run([*cli, "demo", "--quick", "--out", str(out / "demo")], out / "demo.log")
@@ -74,7 +91,11 @@ def main() -> None:
     if not args.skip_quality:
         bench = ROOT / "benchmarks" / "quality.py"
         _run([sys.executable, str(bench), "--smoke", "--out", str(out / "quality")], out / "quality.log")
-    lines = _hash_tree(out, out)
+    _write(out, str(ROOT))
+
+
+def _write(out: Path, checkout: str) -> None:
+    lines = _hash_tree(out, out, checkout)
     (out / "hashes.txt").write_text("\n".join(lines) + "\n")
     print(f"{len(lines)} hashes in {out / 'hashes.txt'}")
 
