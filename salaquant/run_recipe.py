@@ -99,7 +99,17 @@ def _quantize(
 ) -> None:
     """The recipe's quantizer, run into ``output`` (``accept``: its eval gate)."""
     runner = _gptq_runner if recipe.method in ("gptq", "rtn") else _nvfp4_runner
-    quantize = runner(recipe, resume, overwrite, show_progress)
+    e = recipe.engine
+    execution = {
+        "device": e.device,
+        "chunk_tokens": e.chunk_tokens,
+        "propagate": e.propagate,
+        "max_shard_bytes": parse_size(recipe.export.shard_size),
+        "resume": resume,
+        "overwrite": overwrite,
+        "show_progress": show_progress,
+    }
+    quantize = runner(recipe, execution, smoothing_for(recipe))
     extra = {"recipe.yaml": recipe.to_yaml()}
     try:
         quantize(
@@ -118,80 +128,44 @@ def _quantize(
         raise refusal from exc
 
 
-def _gptq_runner(recipe: Recipe, resume: bool, overwrite: bool, show_progress: bool) -> Callable[..., Path]:
-    """``run_gptq`` with the recipe's bits plan, solver and run settings (``rtn``: the same grid, no solve)."""
+Smoothing = tuple[float | None, tuple[str, ...]]
+
+
+def _gptq_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Callable[..., Path]:
+    """``run_gptq`` with the recipe's bits plan and solver, ``execution`` (``driver.Execution``'s fields) and the
+    export's checks bound (``rtn``: the same grid, no solve)."""
     from .gptq.command import RunOptions, run_gptq
     from .gptq.layer import GPTQLayerOptions
     from .gptq.plan import BitsOptions, BitsRule
 
-    q, e, g = recipe.quantization, recipe.engine, recipe.gptq
-    alpha, groups = smoothing_for(recipe)
+    q, g, (alpha, groups) = recipe.quantization, recipe.gptq, smoothing
     bits = BitsOptions(
-        bits=q.bits,
-        group_size=q.group_size,
-        minicpm4_bits=q.minicpm4_bits,
-        lightning_bits=q.lightning_bits,
-        layer_bits=q.layer_bits,
+        **q.model_dump(exclude={"exclude", "rules"}),
         exclude=tuple(q.exclude),
         rules=tuple(BitsRule(x.match, x.bits, x.group_size) for x in q.rules),
-        budget=q.budget,
-        budget_windows=q.budget_windows,
-        budget_seq_len=q.budget_seq_len,
     )
-    layer = GPTQLayerOptions(
-        damp=g.damp,
-        block_size=g.block_size,
-        act_order=g.act_order,
-        mse=g.mse,
-        fp64=g.fp64,
-        smooth_alpha=alpha,
-        smooth_groups=groups,
-        hessian_weighting=g.hessian_weighting,
-        method="rtn" if recipe.method == "rtn" else "gptq",
-    )
-    run = RunOptions(
-        device=e.device,
-        chunk_tokens=e.chunk_tokens,
-        propagate=e.propagate,
-        tp=recipe.export.tp,
-        max_shard_bytes=parse_size(recipe.export.shard_size),
-        resume=resume,
-        overwrite=overwrite,
-        show_progress=show_progress,
-        marlin_fallback=recipe.export.marlin_fallback,
-    )
+    method = "rtn" if recipe.method == "rtn" else "gptq"
+    solver = g.model_dump(exclude={"quantize_lm_head"})  # refused before any run: the recipe's own check
+    layer = GPTQLayerOptions(**solver, smooth_alpha=alpha, smooth_groups=groups, method=method)
+    run = RunOptions(**execution, tp=recipe.export.tp, marlin_fallback=recipe.export.marlin_fallback)
     return functools.partial(run_gptq, bits=bits, layer=layer, run=run)
 
 
-def _nvfp4_runner(recipe: Recipe, resume: bool, overwrite: bool, show_progress: bool) -> Callable[..., Path]:
-    """``run_nvfp4`` with the recipe's exclusions, scale search, rounding and run settings."""
+def _nvfp4_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Callable[..., Path]:
+    """``run_nvfp4`` with the recipe's exclusions, scale search and rounding, and ``execution`` bound."""
     from .nvfp4.command import NVFP4RunOptions, run_nvfp4
     from .nvfp4.layer import NVFP4LayerOptions
 
-    q, e, n = recipe.quantization, recipe.engine, recipe.nvfp4
-    alpha, groups = smoothing_for(recipe)
-    layer = NVFP4LayerOptions(
-        mse_iters=n.mse_iters,
-        mse_max_shrink=n.mse_max_shrink,
-        smooth_alpha=alpha,
-        smooth_groups=groups,
-        input_scale=n.input_scale,
-        rounding=n.rounding,
-        static_scales=n.static_scales,
-    )
+    q, n, (alpha, groups) = recipe.quantization, recipe.nvfp4, smoothing
+    search = n.model_dump(exclude={"dense_all", "exclude"})
+    layer = NVFP4LayerOptions(**search, smooth_alpha=alpha, smooth_groups=groups)
     run = NVFP4RunOptions(
         dense_all=n.dense_all,
         exclude=tuple(n.exclude + q.exclude),
         budget=q.budget,
         budget_windows=q.budget_windows,
         budget_seq_len=q.budget_seq_len,
-        device=e.device,
-        chunk_tokens=e.chunk_tokens,
-        propagate=e.propagate,
-        max_shard_bytes=parse_size(recipe.export.shard_size),
-        resume=resume,
-        overwrite=overwrite,
-        show_progress=show_progress,
+        **execution,
     )
     return functools.partial(run_nvfp4, layer=layer, run=run)
 
