@@ -111,7 +111,7 @@ class TextSet:
         for w, p in zip(self.wins, self.ref_logits, strict=True):
             cmp.update(p, model(w[None], attention_mode="dense").logits[0, :-1], w[1:])
         s = cmp.summary()
-        nll_diff = [float((q - p).double().mean()) for p, q in zip(cmp.nll_source, cmp.nll_quantized, strict=True)]
+        nll_diff = [float((q - p).double().mean()) for p, q in zip(cmp.source.nll, cmp.quantized.nll, strict=True)]
         kl = [float(k.double().mean()) for k in cmp.kl]
         return {
             "ppl": s["ppl_quantized"],

@@ -35,22 +35,38 @@ def _quantile(x: torch.Tensor, q: float) -> float:
 
 
 @dataclass
+class ModelStats:
+    """One model's side of a comparison: its NLL at every position, the positions with NaN/Inf logits, how often
+    its top-1 is the unknown token, and how often each token is its top-1."""
+
+    nll: list[torch.Tensor] = field(default_factory=list)
+    nonfinite: int = 0
+    unk_top1: int = 0
+    top1_counts: torch.Tensor | None = None
+
+    def update(
+        self, logp: torch.Tensor, logits: torch.Tensor, top: torch.Tensor, t: torch.Tensor, unk_id: int | None
+    ) -> None:
+        """``logp`` the log-softmax of ``logits [T, V]``, ``top`` their argmax, ``t [T, 1]`` the targets."""
+        self.nll.append(-logp.gather(-1, t)[:, 0].cpu())
+        self.nonfinite += int((~torch.isfinite(logits)).any(-1).sum())
+        if unk_id is not None:
+            self.unk_top1 += int((top == unk_id).sum())
+        counts = torch.bincount(top.cpu(), minlength=logits.shape[-1])
+        self.top1_counts = counts if self.top1_counts is None else self.top1_counts + counts
+
+
+@dataclass
 class LogitComparison:
     """Accumulates the per-position statistics of both models over any number of windows."""
 
     unk_id: int | None = None
-    nll_source: list[torch.Tensor] = field(default_factory=list)
-    nll_quantized: list[torch.Tensor] = field(default_factory=list)
+    source: ModelStats = field(default_factory=ModelStats)
+    quantized: ModelStats = field(default_factory=ModelStats)
     kl: list[torch.Tensor] = field(default_factory=list)
     agree: int = 0
     tokens: int = 0
     windows: int = 0
-    nonfinite_source: int = 0
-    nonfinite_quantized: int = 0
-    unk_top1_source: int = 0
-    unk_top1_quantized: int = 0
-    top1_counts_source: torch.Tensor | None = None
-    top1_counts_quantized: torch.Tensor | None = None
 
     @torch.no_grad()
     def update(self, source_logits: torch.Tensor, quantized_logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -58,32 +74,20 @@ class LogitComparison:
         p = torch.log_softmax(source_logits.float(), -1)
         q = torch.log_softmax(quantized_logits.float(), -1)
         t = targets.to(p.device)[:, None]
-        self.nll_source.append(-p.gather(-1, t)[:, 0].cpu())
-        self.nll_quantized.append(-q.gather(-1, t)[:, 0].cpu())
+        top_p, top_q = source_logits.argmax(-1), quantized_logits.argmax(-1)
+        self.source.update(p, source_logits, top_p, t, self.unk_id)
+        self.quantized.update(q, quantized_logits, top_q, t, self.unk_id)
         prob = p.exp()
         self.kl.append(torch.where(prob > 0, prob * (p - q), torch.zeros_like(p)).sum(-1).cpu())
-        top_p, top_q = source_logits.argmax(-1), quantized_logits.argmax(-1)
         self.agree += int((top_p == top_q).sum())
         self.tokens += int(targets.numel())
         self.windows += 1
-        self.nonfinite_source += int((~torch.isfinite(source_logits)).any(-1).sum())
-        self.nonfinite_quantized += int((~torch.isfinite(quantized_logits)).any(-1).sum())
-        if self.unk_id is not None:
-            self.unk_top1_source += int((top_p == self.unk_id).sum())
-            self.unk_top1_quantized += int((top_q == self.unk_id).sum())
-        vocab = source_logits.shape[-1]
-        counts_p = torch.bincount(top_p.cpu(), minlength=vocab)
-        counts_q = torch.bincount(top_q.cpu(), minlength=vocab)
-        self.top1_counts_source = counts_p if self.top1_counts_source is None else self.top1_counts_source + counts_p
-        self.top1_counts_quantized = (
-            counts_q if self.top1_counts_quantized is None else self.top1_counts_quantized + counts_q
-        )
 
     def summary(self) -> dict[str, Any]:
         """Every figure as plain floats and ints (NaN where a model produced non-finite logits)."""
         if self.tokens == 0:
             raise ValueError("no window was compared")
-        nll_p, nll_q, kl = torch.cat(self.nll_source), torch.cat(self.nll_quantized), torch.cat(self.kl)
+        nll_p, nll_q, kl = torch.cat(self.source.nll), torch.cat(self.quantized.nll), torch.cat(self.kl)
         mean_p, mean_q = float(nll_p.double().mean()), float(nll_q.double().mean())
         ppl_p, ppl_q = _exp(mean_p), _exp(mean_q)
         diff = nll_q - nll_p
@@ -116,12 +120,12 @@ class LogitComparison:
             "kl_p99": _quantile(kl, 0.99),
             "kl_max": float(kl.max()),
             "top1": self.agree / self.tokens,
-            "nonfinite_positions_source": self.nonfinite_source,
-            "nonfinite_positions_quantized": self.nonfinite_quantized,
-            "unk_top1_fraction_source": self.unk_top1_source / self.tokens if self.unk_id is not None else None,
-            "unk_top1_fraction_quantized": self.unk_top1_quantized / self.tokens if self.unk_id is not None else None,
-            "most_frequent_top1_source": _mode(self.top1_counts_source, self.tokens),
-            "most_frequent_top1_quantized": _mode(self.top1_counts_quantized, self.tokens),
+            "nonfinite_positions_source": self.source.nonfinite,
+            "nonfinite_positions_quantized": self.quantized.nonfinite,
+            "unk_top1_fraction_source": self.source.unk_top1 / self.tokens if self.unk_id is not None else None,
+            "unk_top1_fraction_quantized": self.quantized.unk_top1 / self.tokens if self.unk_id is not None else None,
+            "most_frequent_top1_source": _mode(self.source.top1_counts, self.tokens),
+            "most_frequent_top1_quantized": _mode(self.quantized.top1_counts, self.tokens),
         }
 
 
