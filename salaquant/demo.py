@@ -26,7 +26,7 @@ from rich.table import Table
 from .calibration.calib_data import CalibOptions
 from .eval.data import load_eval_text
 from .eval.generation import BUILTIN_PROMPTS, check_continuation, greedy
-from .eval.metrics import compare_windows
+from .eval.metrics import ModelPair, compare_windows
 from .eval.perplexity import windows
 from .outputs import check_no_overlap, check_replace, check_writable_folder, remove_owned
 from .ownership import DEMO, judge
@@ -76,7 +76,7 @@ def score_export(
 ) -> dict[str, Any]:
     """Perplexity, KL, top-1 of ``quantized`` against ``reference`` on ``wins`` (dense attention), and whether
     its greedy continuations of ``prompts`` collapse (a flood of the unknown token, one token repeated, NaN)."""
-    cmp, _ = compare_windows(reference, quantized, wins, attention_mode="dense", device=device, unk_id=unk_id)
+    cmp, _ = compare_windows(ModelPair(reference, quantized, "dense", device), wins, unk_id=unk_id)
     s = cmp.summary()
     problems = []
     for ids in prompts:

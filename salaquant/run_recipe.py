@@ -220,7 +220,7 @@ def eval_gate(
     ``wins``: its windows, when `gate_windows` has read them already), measured and gated by the code behind
     ``salaquant eval``."""
     from .devices import resolve_device
-    from .eval.metrics import compare_windows
+    from .eval.metrics import ModelPair, compare_windows
     from .eval.thresholds import Thresholds
     from .model.loading import load_model
 
@@ -235,7 +235,7 @@ def eval_gate(
     reference = load_model(source, device=dev)
     fp4 = activations == "fp4"
     model = load(quantized, device=dev, activations="fp4") if fp4 else load_model(quantized, device=dev)
-    s = compare_windows(reference, model, wins, "dense", dev)[0].summary()
+    s = compare_windows(ModelPair(reference, model, "dense", dev), wins)[0].summary()
     out: dict[str, Any] = {
         "ppl_source": s["ppl_source"],
         "ppl_quantized": s["ppl_quantized"],

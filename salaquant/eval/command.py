@@ -38,7 +38,7 @@ from .inputs import (
     format_check,
     open_checkpoint,
 )
-from .metrics import compare_windows
+from .metrics import ModelPair, compare_windows
 from .options import EvalInputError, EvalOptions
 from .perplexity import windows as make_windows
 from .scoring import name_outliers, niah_result, run_measures, spread, tasks_result
@@ -187,12 +187,11 @@ def run_eval(
         "notes": notes,
     }
 
+    pair = ModelPair(ref_model, q_model, opts.attention, dev)
     with Phases(opts.show_progress) as progress:
         t = time.perf_counter()
         with progress.phase("perplexity / KL", len(wins)) as step:
-            cmp, rerun = compare_windows(
-                ref_model, q_model, wins, opts.attention, dev, unk_id=unk_id, rerun_first=True, on_window=step
-            )
+            cmp, rerun = compare_windows(pair, wins, unk_id=unk_id, rerun_first=True, on_window=step)
         result["perplexity"] = cmp.summary()
         result["stability"] = rerun.summary() if rerun is not None else None
         timings["perplexity"] = time.perf_counter() - t
@@ -227,9 +226,7 @@ def run_eval(
         t = time.perf_counter()
         if opts.layer_windows > 0:
             with progress.phase("per-layer error", qcfg.num_hidden_layers) as step:
-                errs = lay.layer_errors(
-                    ref_model, q_model, wins[: opts.layer_windows], opts.attention, dev, on_layer=step
-                )
+                errs = lay.layer_errors(pair, wins[: opts.layer_windows], on_layer=step)
             result["layers"] = lay.summarize(errs) | {"windows": min(opts.layer_windows, len(wins))}
         else:
             result["layers"] = None

@@ -28,6 +28,7 @@ import torch
 
 from ..model.modeling import layer_rope
 from . import w4a4_split
+from .metrics import ModelPair
 
 OUTLIER_FACTOR = 5.0
 OUTLIER_MIN_ERROR = 1e-3  # below this, no layer is called an outlier (e.g. a model against itself)
@@ -112,16 +113,12 @@ class _Seen:
 
 @torch.no_grad()
 def layer_errors(
-    reference: Any,
-    quantized: Any,
-    wins: Sequence[torch.Tensor],
-    attention_mode: str = "dense",
-    device: torch.device | str = "cpu",
-    on_layer: Callable[[int], None] | None = None,
+    pair: ModelPair, wins: Sequence[torch.Tensor], on_layer: Callable[[int], None] | None = None
 ) -> list[LayerError]:
     """Relative error of every quantized decoder layer (and of its two branches) against the float one, on the
     float model's hidden states; a W4A4 layer is also run with only its weights and only its activations
     quantized."""
+    reference, quantized, attention_mode, device = pair.reference, pair.quantized, pair.attention_mode, pair.device
     config = reference.config
     layers_f, layers_q = reference.model.layers, quantized.model.layers
     results = []

@@ -155,19 +155,27 @@ class RerunCheck:
         return {"tokens": self.tokens, "max_abs_logit_diff": self.max_abs_logit_diff, "top1_changes": self.top1_changes}
 
 
+@dataclass(frozen=True)
+class ModelPair:
+    """A quantized model and its source, run alike: both called as ``m(ids, attention_mode=...)`` on ``device``."""
+
+    reference: Any
+    quantized: Any
+    attention_mode: str = "dense"
+    device: torch.device | str = "cpu"
+
+
 @torch.no_grad()
 def compare_windows(
-    reference: Any,
-    quantized: Any,
+    pair: ModelPair,
     wins: Sequence[torch.Tensor],
-    attention_mode: str = "dense",
-    device: torch.device | str = "cpu",
     unk_id: int | None = None,
     rerun_first: bool = False,
     on_window: Callable[[int], None] | None = None,
 ) -> tuple[LogitComparison, RerunCheck | None]:
-    """Both models (called as ``m(ids, attention_mode=...).logits``) on every window; with ``rerun_first`` the
-    quantized model also runs the first window a second time (run-to-run stability)."""
+    """Both models (``.logits`` of each call) on every window; with ``rerun_first`` the quantized model also runs
+    the first window a second time (run-to-run stability)."""
+    reference, quantized, attention_mode, device = pair.reference, pair.quantized, pair.attention_mode, pair.device
     cmp = LogitComparison(unk_id=unk_id)
     rerun: RerunCheck | None = None
     for i, w in enumerate(wins):

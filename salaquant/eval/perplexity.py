@@ -72,7 +72,7 @@ def compare_models(
     """Perplexity of ``model``, mean per-token KL(reference || model) and top-1 agreement of next-token
     predictions over the windows (both models called as ``m(ids, attention_mode=...).logits``); the figures
     of ``salaquant.eval.metrics``, which also has the reference's perplexity and the per-token differences."""
-    from .metrics import compare_windows
+    from .metrics import ModelPair, compare_windows
 
-    s = compare_windows(reference, model, wins, attention_mode, device)[0].summary()
+    s = compare_windows(ModelPair(reference, model, attention_mode, device), wins)[0].summary()
     return {"ppl": s["ppl_quantized"], "kl": s["kl"], "top1": s["top1"]}
