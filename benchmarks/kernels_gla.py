@@ -87,7 +87,7 @@ def prefill(ts: list[int], fla_chunk: Callable | None) -> list[dict]:
                 fla_ms = _bench(
                     lambda q=q, k=k, v=v: fla_chunk(q, k, v, g_gamma=g, scale=SCALE, output_final_state=True)
                 )
-            ref_out = ref.chunk_gla(q, k, v, g, SCALE, None, True) if t <= REFERENCE_MAX_T else None
+            ref_out = ref.simple_gla(q, k, v, g, SCALE, None, True, form="chunk") if t <= REFERENCE_MAX_T else None
             # fp32 and bf16 outputs: fla returns the input dtype (a like-for-like time for bf16 inputs); the model
             # computes in fp32 and takes a bf16 output: the runtime passes bf16 activations with upcast (read as
             # bf16, computed in fp32 with TF32 dots), the same numbers as the fp32 inputs' rows
@@ -134,7 +134,7 @@ def _decode_rows(b: int, g: torch.Tensor, fla_rec: Callable | None) -> list[dict
     if fla_rec is not None:
         fla_out = fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True)
         fla_ms = _bench(lambda: fla_rec(q, k, v, g_gamma=g, scale=SCALE, initial_state=s0, output_final_state=True))
-    ref_out = ref.recurrent_gla(q, k, v, g, SCALE, s0, True)
+    ref_out = ref.simple_gla(q, k, v, g, SCALE, s0, True, form="recurrent")
 
     def ours() -> tuple:
         return gla_kernels.recurrent_fwd(q, k, v, g, SCALE, s0, True)

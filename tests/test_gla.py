@@ -1,18 +1,17 @@
+from functools import partial
+
 import pytest
 import torch
 from gla_checks import assert_close_scaled as _close
 from gla_checks import gla_inputs, naive_recurrent_gla
 
-from salaquant.model.gla import (
-    alibi_slopes,
-    chunk_gla,
-    recurrent_gla,
-    simple_gla,
-)
+from salaquant.model.gla import alibi_slopes, simple_gla
 
 B, H, DK, DV = 2, 3, 8, 6
 SCALE = DK**-0.5
 G_GAMMA = torch.tensor([-0.84, -0.1, -0.004])
+recurrent_gla = partial(simple_gla, form="recurrent")
+chunk_gla = partial(simple_gla, form="chunk")
 
 
 def _inputs(t: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
@@ -136,3 +135,18 @@ def test_low_precision_inputs_compute_in_fp32() -> None:
         assert o.dtype == torch.float32 and s.dtype == torch.float32
         _close(o, o_ref)
         _close(s, s_ref)
+
+
+def test_form_choice() -> None:
+    # "auto" is SALA's rule (recurrent below 64 tokens); a forced form runs at any length and agrees with the oracle.
+    q, k, v, s0 = _inputs(70, seed=7)
+    o_ref, _ = naive_recurrent_gla(q, k, v, G_GAMMA, SCALE, s0)
+    for form in ("recurrent", "chunk"):
+        o, _ = simple_gla(q, k, v, G_GAMMA, SCALE, s0, form=form)
+        _close(o, o_ref)
+    with pytest.raises(ValueError, match="form must be one of"):
+        simple_gla(q, k, v, G_GAMMA, SCALE, s0, form="scan")
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        simple_gla(q, k, v, G_GAMMA, SCALE, s0, form="chunk", chunk_size=0)
+    with pytest.raises(ValueError, match="chunks of 64, not 32"):
+        simple_gla(q, k, v, G_GAMMA, SCALE, s0, backend="triton", chunk_size=32)

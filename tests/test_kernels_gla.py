@@ -158,7 +158,7 @@ def test_chunk_every_gpu_config_at_d128(t: int, with_state: bool, poison: None) 
     q, k, v, s0 = (x[:1] for x in _inputs(t, dk=128, dv=128, device=device))
     g = G_GAMMA.to(device)
     init = s0 if with_state else None
-    o_ref, s_ref = ref.chunk_gla(q, k, v, g, 128**-0.5, init, output_final_state=True)
+    o_ref, s_ref = ref.simple_gla(q, k, v, g, 128**-0.5, init, output_final_state=True, form="chunk")
     assert s_ref is not None
     n = max(len(tk.STATE_CONFIGS), len(tk.OUTPUT_CONFIGS))
     for i in range(n):
@@ -342,7 +342,7 @@ def test_gpu_chunk_bf16_every_output_config() -> None:
     tk = _tk()
     q, k, v, s0, g = _sala_inputs(8192, 1, torch.bfloat16)
     scale = 128**-0.5
-    o_ref, s_ref = ref.chunk_gla(q, k, v, g, scale, s0, output_final_state=True)
+    o_ref, s_ref = ref.simple_gla(q, k, v, g, scale, s0, output_final_state=True, form="chunk")
     assert s_ref is not None
     for config in tk.OUTPUT_CONFIGS:
         pinned = (tk.STATE_CONFIGS[0], config)
@@ -360,7 +360,7 @@ def test_gpu_chunk_sala_shape() -> None:
     tk = _tk()
     q, k, v, s0, g = _sala_inputs(4096, 1, torch.float32)
     scale = 128**-0.5
-    o_ref, s_ref = ref.chunk_gla(q, k, v, g, scale, s0, output_final_state=True)
+    o_ref, s_ref = ref.simple_gla(q, k, v, g, scale, s0, output_final_state=True, form="chunk")
     assert s_ref is not None
     o, s = tk.chunk_fwd(q, k, v, g, scale, s0, True)  # TF32 dots
     assert s is not None
@@ -379,7 +379,7 @@ def test_gpu_chunk_sala_shape() -> None:
     assert _rel_err(o_up, o_cp) < 1e-4 and _rel_err(s_up, s_cp) < 1e-5
     # bf16 inputs against the reference on the same rounded values
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    o_ref_b, s_ref_b = ref.chunk_gla(qb, kb, vb, g, scale, s0, output_final_state=True)
+    o_ref_b, s_ref_b = ref.simple_gla(qb, kb, vb, g, scale, s0, output_final_state=True, form="chunk")
     o, s = tk.chunk_fwd(qb, kb, vb, g, scale, s0, True)
     assert s is not None and s_ref_b is not None
     assert _rel_err(o, o_ref_b) < 2e-2
@@ -398,13 +398,13 @@ def test_gpu_chunk_sala_shape() -> None:
 def test_gpu_recurrent_decode() -> None:
     q, k, v, s0, g = _sala_inputs(1, 8, torch.float32)
     scale = 128**-0.5
-    o_ref, s_ref = ref.recurrent_gla(q, k, v, g, scale, s0, output_final_state=True)
+    o_ref, s_ref = ref.simple_gla(q, k, v, g, scale, s0, output_final_state=True, form="recurrent")
     assert s_ref is not None
     o, s = ref.simple_gla(q, k, v, g, scale, s0, True, backend="auto")
     assert s is not None
     assert _rel_err(o, o_ref) < 1e-5 and _rel_err(s, s_ref) < 1e-5
     q5, k5, v5, _, _ = _sala_inputs(37, 8, torch.float32)
-    o_ref, s_ref = ref.recurrent_gla(q5, k5, v5, g, scale, s0, output_final_state=True)
+    o_ref, s_ref = ref.simple_gla(q5, k5, v5, g, scale, s0, output_final_state=True, form="recurrent")
     o, s = ref.simple_gla(q5, k5, v5, g, scale, s0, True, backend="auto")
     assert s is not None and s_ref is not None
     assert _rel_err(o, o_ref) < 1e-5 and _rel_err(s, s_ref) < 1e-5

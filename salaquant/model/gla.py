@@ -19,15 +19,20 @@ from torch import Tensor
 from ..kernels.backend import use_triton
 
 __all__ = [
+    "CHUNK_SIZE",
+    "FORMS",
     "RECURRENT_MAX_LEN",
     "alibi_slopes",
-    "chunk_gla",
-    "recurrent_gla",
+    "check_inputs",
     "simple_gla",
 ]
 
 RECURRENT_MAX_LEN = 64
 """``simple_gla`` uses the recurrent form for ``T < RECURRENT_MAX_LEN`` and the chunk form otherwise."""
+CHUNK_SIZE = 64
+"""The chunk of SALA's chunked form (and of the Triton kernels)."""
+FORMS = ("auto", "recurrent", "chunk")
+"""``simple_gla``'s ``form``: SALA's rule by length, or one form at any length."""
 
 
 def _slopes_power_of_two(n: int) -> list[float]:
@@ -68,53 +73,31 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state
         )
 
 
-def _start(
-    q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, initial_state: Tensor | None
-) -> tuple[tuple[int, int, int, int, int], Tensor]:
-    """What every reference form starts from: the checked sizes ``(B, T, H, K, V)`` and the fp32 state
-    ``[B, H, K, V]`` before the first token (a fresh copy of ``initial_state``, so that the caller's tensor is
-    never the returned final state; zeros when it is not given)."""
-    check_inputs(q, k, v, g_gamma, initial_state)
-    b_size, t_size, h_size, dk = q.shape
-    dv = v.shape[-1]
-    if initial_state is None:
-        state = torch.zeros(b_size, h_size, dk, dv, dtype=torch.float32, device=q.device)
-    else:
-        state = initial_state.float().clone()
-    return (b_size, t_size, h_size, dk, dv), state
+def _first_state(q: Tensor, v: Tensor, initial_state: Tensor | None) -> Tensor:
+    """The fp32 state ``[B, H, K, V]`` before the first token: a fresh copy of ``initial_state`` (so that the
+    caller's tensor is never the returned final state), zeros when it is not given."""
+    if initial_state is not None:
+        return initial_state.float().clone()
+    b_size, _, h_size, dk = q.shape
+    return torch.zeros(b_size, h_size, dk, v.shape[-1], dtype=torch.float32, device=q.device)
 
 
-def recurrent_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_gamma: Tensor,
-    scale: float,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Recurrent (decode) form: loop over T, vectorised over batch and heads."""
-    (b_size, t_size, h_size, _, dv), s = _start(q, k, v, g_gamma, initial_state)
+def _recurrent(q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, scale: float, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Recurrent (decode) form from ``state``: loop over T, vectorised over batch and heads."""
+    b_size, t_size, h_size, _ = q.shape
     qf, kf, vf = q.float(), k.float(), v.float()
     decay = torch.exp(g_gamma.float().to(q.device)).view(1, h_size, 1, 1)
-    o = torch.empty(b_size, t_size, h_size, dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(b_size, t_size, h_size, v.shape[-1], dtype=torch.float32, device=q.device)
     for t in range(t_size):
-        s = decay * s + kf[:, t, :, :, None] * vf[:, t, :, None, :]
-        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], s)
-    return o, (s if output_final_state else None)
+        state = decay * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", qf[:, t], state)
+    return o, state
 
 
-def chunk_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g_gamma: Tensor,
-    scale: float,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    chunk_size: int = 64,
-) -> tuple[Tensor, Tensor | None]:
-    """Chunked (prefill) form.
+def _chunked(
+    q: Tensor, k: Tensor, v: Tensor, g_gamma: Tensor, scale: float, state: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """Chunked (prefill) form from ``state``.
 
     Within a chunk of length ``L`` (the last one may be shorter), with ``h`` the state at the chunk
     start and ``i, j`` chunk-local positions::
@@ -124,17 +107,14 @@ def chunk_gla(
 
     Every decay factor is ``exp`` of a non-positive number, so nothing overflows.
     """
-    (b_size, t_size, h_size, _, dv), state = _start(q, k, v, g_gamma, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    b_size, t_size, h_size, _ = q.shape
     device = q.device
     # [B, H, T, D] in fp32
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2)
     vf = v.float().transpose(1, 2)
     g = g_gamma.float().to(device).view(h_size, 1, 1)
-    o = torch.empty(b_size, h_size, t_size, dv, dtype=torch.float32, device=device)
-
+    o = torch.empty(b_size, h_size, t_size, v.shape[-1], dtype=torch.float32, device=device)
     for start in range(0, t_size, chunk_size):
         length = min(chunk_size, t_size - start)
         pos = torch.arange(length, dtype=torch.float32, device=device)
@@ -153,7 +133,7 @@ def chunk_gla(
         o[:, :, start : start + length] = scale * (attn @ vc + (qc * q_decay) @ state)
         state = chunk_decay * state + (kc * k_decay).transpose(-1, -2) @ vc
 
-    return o.transpose(1, 2).contiguous(), (state if output_final_state else None)
+    return o.transpose(1, 2).contiguous(), state
 
 
 def simple_gla(
@@ -168,9 +148,14 @@ def simple_gla(
     out_dtype: torch.dtype = torch.float32,
     backend: str = "reference",
     in_place: bool = False,
+    form: str = "auto",
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[Tensor, Tensor | None]:
     """Dispatch as SALA does: recurrent for ``T < 64``, chunked (chunk 64) otherwise, in fp32 from inputs of any
     dtype. The chunked form's output is cast to ``out_dtype`` (the kernels store it in that dtype directly).
+
+    ``form``: ``"auto"`` is that rule; ``"recurrent"`` or ``"chunk"`` runs the one form at any length (the
+    reference's chunk is ``chunk_size``; the kernels' is fixed at 64). Both forms compute the same recurrence.
 
     ``in_place``: ``initial_state`` (a static cache's fp32 buffer) receives the final state, which is returned as
     it. The Triton decode kernel writes it directly, also inside a compiled function (``kernels.ops.gla_recurrent_op``),
@@ -180,12 +165,20 @@ def simple_gla(
     the Triton kernels, ``"auto"`` the kernels on CUDA tensors and the reference elsewhere. The kernels compute
     16-bit inputs in fp32 as they load them (``upcast``), so both give the same numbers up to the order of fp32
     operations and TF32 dots."""
-    short = q.shape[1] < RECURRENT_MAX_LEN
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    short = q.shape[1] < RECURRENT_MAX_LEN if form == "auto" else form == "recurrent"
+    triton = use_triton(backend, q, k, v)
+    if triton and not short and chunk_size != CHUNK_SIZE:
+        raise ValueError(f"the Triton chunk form runs chunks of {CHUNK_SIZE}, not {chunk_size}")
     if in_place:
         if initial_state is None:
             raise ValueError("in_place updates initial_state, which was not given")
-        if not (use_triton(backend, q, k, v) and short):
-            o, final = simple_gla(q, k, v, g_gamma, scale, initial_state, True, out_dtype=out_dtype, backend=backend)
+        if not (triton and short):
+            again = {"out_dtype": out_dtype, "backend": backend, "form": form, "chunk_size": chunk_size}
+            o, final = simple_gla(q, k, v, g_gamma, scale, initial_state, True, **again)
             assert final is not None
             return o, initial_state.copy_(final)
         check_inputs(q, k, v, g_gamma, initial_state)
@@ -196,7 +189,7 @@ def simple_gla(
         from ..kernels import gla
 
         return gla.recurrent_fwd(q, k, v, g_gamma, scale, initial_state, state_out=initial_state)
-    if use_triton(backend, q, k, v) and not (torch.compiler.is_compiling() and short):
+    if triton and not (torch.compiler.is_compiling() and short):
         check_inputs(q, k, v, g_gamma, initial_state)
         from ..kernels import gla
 
@@ -205,7 +198,11 @@ def simple_gla(
         return gla.chunk_fwd(
             q, k, v, g_gamma, scale, initial_state, output_final_state, out_dtype=out_dtype, upcast=True
         )
+    check_inputs(q, k, v, g_gamma, initial_state)
+    state = _first_state(q, v, initial_state)
     if short:
-        return recurrent_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
-    o, final = chunk_gla(q, k, v, g_gamma, scale, initial_state, output_final_state)
-    return o.to(out_dtype), final
+        o, state = _recurrent(q, k, v, g_gamma, scale, state)
+    else:
+        o, state = _chunked(q, k, v, g_gamma, scale, state, chunk_size)
+        o = o.to(out_dtype)
+    return o, (state if output_final_state else None)
