@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -51,16 +52,11 @@ def _causal_mask(tq: int, tk: int) -> torch.Tensor:
 
 
 def test_params() -> None:
-    sala = {
-        "kernel_size": 32,
-        "kernel_stride": 16,
-        "init_blocks": 1,
-        "block_size": 64,
-        "window_size": 2048,
-        "topk": 64,
-        "use_nope": False,
-        "dense_len": 8192,
-    }
+    # sparse_config as the published MiniCPM-SALA config.json writes it
+    sala = json.loads(
+        '{"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64, "window_size": 2048, '
+        '"topk": 64, "use_nope": false, "dense_len": 8192}'
+    )
     p = SparseParams.from_config(sala)
     assert p == SparseParams() == SparseParams.from_config(DEFAULT_SPARSE_CONFIG)
     assert p.local_blocks == 32 and p.total_topk == 96
