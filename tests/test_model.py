@@ -16,7 +16,7 @@ from salaquant.io.reader import CheckpointReader
 from salaquant.io.writer import save_state_dict
 from salaquant.model.config import ConfigError, SalaConfig
 from salaquant.model.layers import apply_rope, rope_cos_sin
-from salaquant.model.loading import load_layer, load_model
+from salaquant.model.loading import CheckpointParts, load_model
 from salaquant.model.modeling import layer_rope
 
 
@@ -126,7 +126,7 @@ def test_layer_by_layer_equals_whole_model(tiny_ckpt: Path) -> None:
     h = model.model.embed(ids)
     rope = {k: layer_rope(cfg, k, 0, 30, h.device) for k in set(cfg.mixer_types)}
     for i in range(cfg.num_hidden_layers):
-        layer = load_layer(reader, cfg, i, dtype="fp32")
+        layer = CheckpointParts(reader, cfg, dtype="fp32").layer(i)
         h = layer(h, rope[layer.kind], None, "dense")
     logits = model.lm_head(model.model.norm(h) / cfg.logit_divisor).float()
     assert torch.allclose(logits, model(ids, attention_mode="dense").logits, atol=1e-6)

@@ -15,7 +15,7 @@ from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
-from salaquant.model.loading import load_layer, load_model
+from salaquant.model.loading import CheckpointParts, load_model
 from salaquant.model.modeling import layer_rope
 from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions, NVFP4LayerQuantizer
@@ -53,7 +53,7 @@ def test_dense_all_smoothing_keeps_o_gate_consistent(tiny_ckpt_fp32: Path) -> No
     cfg = SalaConfig.from_dict(reader.config())
     assert "self_attn.o_gate" in input_groups(cfg, "minicpm4")[0].members
     quantizer = NVFP4LayerQuantizer(cfg, build_nvfp4_plan(cfg, dense_all=True), NVFP4LayerOptions())
-    layer = load_layer(reader, cfg, 0)
+    layer = CheckpointParts(reader, cfg).layer(0)
     x = torch.randn(1, 30, cfg.hidden_size)
     rope = layer_rope(cfg, "minicpm4", 0, 30, "cpu")
     stats = {}

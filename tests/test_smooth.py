@@ -11,7 +11,7 @@ from torch import nn
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
-from salaquant.model.loading import load_layer
+from salaquant.model.loading import CheckpointParts
 from salaquant.model.modeling import layer_rope
 from salaquant.smooth.fold import fold_scales, smooth_scales, smoothable, transform_hessian
 
@@ -30,7 +30,7 @@ def _inputs_of(layer: nn.Module, names: list[str], x: torch.Tensor, rope) -> dic
 def test_fold_preserves_function_and_hessian(tiny_ckpt_fp32: Path, index: int) -> None:
     reader = CheckpointReader(tiny_ckpt_fp32)
     cfg = SalaConfig.from_dict(reader.config())
-    layer = load_layer(reader, cfg, index)
+    layer = CheckpointParts(reader, cfg).layer(index)
     x = torch.randn(1, 40, cfg.hidden_size)
     rope = layer_rope(cfg, layer.kind, 0, 40, "cpu")
     groups = [g for g in input_groups(cfg, layer.kind) if smoothable(g)]

@@ -23,7 +23,7 @@ from torch import nn
 from ..io.reader import CheckpointReader
 from ..model.config import SalaConfig
 from ..model.layers import rms_norm
-from ..model.loading import load_global, load_layer
+from ..model.loading import CheckpointParts
 from ..model.modeling import DecoderLayer, layer_rope, lm_logits
 from ..runtime.load import use_layer_kernels
 from .size import Unit
@@ -50,17 +50,16 @@ def compute_dtype(reader: CheckpointReader, device: torch.device) -> torch.dtype
     return reader.dtype("model.embed_tokens.weight") if device.type == "cuda" else torch.float32
 
 
-def _embedded(reader: CheckpointReader, config: SalaConfig, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    embed = load_global(reader, config, "model.embed_tokens.weight", ids.device, dtype)
-    return nn.functional.embedding(ids, embed) * config.scale_emb
+def _embedded(source: CheckpointParts, ids: torch.Tensor) -> torch.Tensor:
+    embed = source.tensor("model.embed_tokens.weight")
+    return nn.functional.embedding(ids, embed) * source.config.scale_emb
 
 
-def _log_probs(reader: CheckpointReader, config: SalaConfig, device: torch.device, dtype: torch.dtype):
+def _log_probs(source: CheckpointParts):
     """``h [B, T, hidden]`` after the last layer -> fp32 log-probabilities, with the checkpoint's norm and head."""
-    norm = load_global(reader, config, "model.norm.weight", device, dtype)
-    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    head = load_global(reader, config, head_name, device, dtype)
-    reader.close()
+    config = source.config
+    norm = source.tensor("model.norm.weight")
+    head = source.tensor("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
 
     def log_probs(x: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(x, norm, config.rms_norm_eps)
@@ -91,7 +90,8 @@ def measure_costs(
     clock = _PartClock(device, parts if parts is not None else {})
     dtype = compute_dtype(reader, device)
     ids = ids.to(device)
-    h = _embedded(reader, config, ids, dtype)
+    source = CheckpointParts(reader, config, device, dtype)
+    h = _embedded(source, ids)
     by_layer: dict[int, list[int]] = {}
     for u, unit in enumerate(units):
         by_layer.setdefault(unit.layer, []).append(u)
@@ -99,8 +99,7 @@ def measure_costs(
     t = ids.shape[1]
     for i in range(config.num_hidden_layers):
         t0 = time.perf_counter()
-        layer = load_layer(reader, config, i, device, dtype)
-        reader.close()  # mapped pages leave the resident set (as in the engine)
+        layer = source.layer(i)
         use_layer_kernels(layer)
         rope = layer_rope(config, layer.kind, 0, t, device)
         clock.lap("load")
@@ -123,7 +122,7 @@ def measure_costs(
         clock.lap("forward")
         if on_layer is not None:
             on_layer(i, len(copies), time.perf_counter() - t0)
-    log_probs = _log_probs(reader, config, device, dtype)
+    log_probs = _log_probs(source)
     reference = [log_probs(x[None]) for x in h]  # per window: the logits of all copies are never held at once
     costs = [[0.0] * len(unit.options) for unit in units]
     for u, k, x in copies:
@@ -160,16 +159,16 @@ def export_kl(
         config = SalaConfig.from_dict(readers[0].config())
         dtype = compute_dtype(readers[0], device)
         ids = ids.to(device)
-        hs = [_embedded(r, config, ids, dtype) for r in readers]
+        sources = [CheckpointParts(r, config, device, dtype) for r in readers]
+        hs = [_embedded(source, ids) for source in sources]
         for i in range(config.num_hidden_layers):
-            for j, r in enumerate(readers):
-                layer = load_layer(r, config, i, device, dtype)
-                r.close()
+            for j, source in enumerate(sources):
+                layer = source.layer(i)
                 use_layer_kernels(layer)
                 hs[j] = layer(hs[j], layer_rope(config, layer.kind, 0, ids.shape[1], device), None, "dense")
             if on_layer is not None:
                 on_layer(i)
-        fns = [_log_probs(r, config, device, dtype) for r in readers]
+        fns = [_log_probs(source) for source in sources]
         kl = sum(_kl_sum(fns[0](a[None]), fns[1](b[None])) for a, b in zip(hs[0], hs[1], strict=True))
         return max(kl, 0.0) / ids.numel()
     finally:

@@ -46,7 +46,7 @@ from ..io.safetensors_stream import write_safetensors
 from ..model.cache import LightningLayerCache, SparseLayerCache
 from ..model.config import LIGHTNING, SalaConfig
 from ..model.layout import global_parameter_shapes, input_groups
-from ..model.loading import load_global, load_layer
+from ..model.loading import CheckpointParts
 from ..model.modeling import DecoderLayer, layer_rope
 from ..runtime.load import use_layer_kernels
 from . import host_memory
@@ -123,6 +123,7 @@ class CalibrationEngine:
             raise ValueError("resume_every must be >= 1")
         self.ranks = ranks
         self.device = device_for(ranks, resolve_device(self.opts.device))
+        self.parts = CheckpointParts(self.reader, self.config, self.device)
         self.resume_every = self.opts.resume_every or (1 if self.device.type == "cpu" else GPU_RESUME_EVERY)
         lengths = [s.numel() for s in self.samples]
         self.leaves = split_leaves(lengths)
@@ -211,14 +212,6 @@ class CalibrationEngine:
             if out is not None:
                 out[:, start : start + n].copy_(y, non_blocking=True)
 
-    def _load_global(self, name: str) -> torch.Tensor:
-        """A non-layer tensor on the compute device. The shards are memory-mapped: pages read stay in this process's
-        resident set while a handle is open, so every load closes the handles (the whole checkpoint would otherwise
-        accumulate there over a run)."""
-        tensor = load_global(self.reader, self.config, name, self.device)
-        self.reader.close()
-        return tensor
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -240,7 +233,7 @@ class CalibrationEngine:
         return self._alloc_set([h.shape for h in hs], hs[0].dtype)
 
     def _embed(self) -> list[torch.Tensor]:
-        weight = self._load_global("model.embed_tokens.weight")
+        weight = self.parts.tensor("model.embed_tokens.weight")
         own = [self.samples[i] for i in self.own]
         shapes = [torch.Size((1, ids.numel(), weight.shape[1])) for ids in own]
         hs = self._alloc_set(shapes, weight.dtype)
@@ -405,8 +398,7 @@ class CalibrationEngine:
         saving). The float propagation (statistics and outputs in one pass) writes to a second set."""
         cfg = self.config
         t0 = time.perf_counter()
-        layer = load_layer(self.reader, cfg, i, self.device)
-        self.reader.close()  # see _load_global
+        layer = self.parts.layer(i)
         if self.opts.attention_kernels:
             use_layer_kernels(layer)
         timings["load"] += time.perf_counter() - t0

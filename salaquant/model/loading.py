@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -239,37 +240,36 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def load_layer(
-    reader: CheckpointReader,
-    config: SalaConfig,
-    index: int,
-    device: torch.device | str = "cpu",
-    dtype: str | torch.dtype | None = None,
-) -> DecoderLayer:
-    """Load decoder layer ``index`` only (the calibration engine's unit of work)."""
-    with torch.device("meta"):
-        layer = DecoderLayer(config, index)
-    _fill(
-        layer,
-        f"model.layers.{index}.",
-        reader,
-        layer_parameter_shapes(config, index),
-        device,
-        resolve_dtype(dtype),
-    )
-    return layer.eval().requires_grad_(False)
+@dataclass(frozen=True)
+class CheckpointParts:
+    """One checkpoint's decoder layers and non-layer tensors, loaded one at a time onto ``device`` (in ``dtype``,
+    the stored dtype when ``None``): the calibration engine's and the budget measurement's unit of work.
 
+    Every load closes the reader's shard handles after it: the shards are memory-mapped, and the pages read stay in
+    the process's resident set while a handle is open, so a run over every layer would otherwise accumulate the
+    whole checkpoint there."""
 
-def load_global(
-    reader: CheckpointReader,
-    config: SalaConfig,
-    name: str,
-    device: torch.device | str = "cpu",
-    dtype: str | torch.dtype | None = None,
-) -> torch.Tensor:
-    """One of the non-layer tensors (embeddings, final norm, lm_head), shape-checked."""
-    shapes = global_parameter_shapes(config)
-    if name not in shapes:
-        raise CheckpointError(f"{name} is not a global tensor of a SALA checkpoint ({sorted(shapes)})")
-    tensor = reader.get_checked(name, shapes[name])
-    return require_finite(reader, name, tensor.to(device=device, dtype=resolve_dtype(dtype) or tensor.dtype))
+    reader: CheckpointReader
+    config: SalaConfig
+    device: torch.device | str = "cpu"
+    dtype: str | torch.dtype | None = None
+
+    def layer(self, index: int) -> DecoderLayer:
+        """Decoder layer ``index``, shape-checked."""
+        with torch.device("meta"):
+            layer = DecoderLayer(self.config, index)
+        shapes = layer_parameter_shapes(self.config, index)
+        _fill(layer, f"model.layers.{index}.", self.reader, shapes, self.device, resolve_dtype(self.dtype))
+        self.reader.close()
+        return layer.eval().requires_grad_(False)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One of the non-layer tensors (embeddings, final norm, lm_head), shape-checked."""
+        shapes = global_parameter_shapes(self.config)
+        if name not in shapes:
+            raise CheckpointError(f"{name} is not a global tensor of a SALA checkpoint ({sorted(shapes)})")
+        tensor = self.reader.get_checked(name, shapes[name])
+        tensor = tensor.to(device=self.device, dtype=resolve_dtype(self.dtype) or tensor.dtype)
+        tensor = require_finite(self.reader, name, tensor)
+        self.reader.close()
+        return tensor
