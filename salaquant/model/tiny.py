@@ -59,27 +59,29 @@ FULL_CONFIG: dict[str, Any] = {
 }
 
 
-def _scaled(**overrides: Any) -> dict[str, Any]:
+_TOY_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim", "lightning_head_dim")
+_TOY_HEADS: dict[str, Any] = {
+    "num_attention_heads": 16,
+    "num_key_value_heads": 1,
+    "lightning_nh": 4,
+    "lightning_nkv": 4,
+}
+"""The toy presets' heads: minicpm4 GQA 16:1 (the real model's ratio), four lightning heads."""
+
+
+def _scaled(sizes: tuple[int, ...], **overrides: Any) -> dict[str, Any]:
+    """The published config with ``sizes`` (``_TOY_SIZES``' fields, in order), the toy heads and ``overrides``."""
     cfg = copy.deepcopy(FULL_CONFIG)
-    cfg.update(overrides)
+    cfg.update(zip(_TOY_SIZES, sizes, strict=True), **_TOY_HEADS, **overrides)
     cfg["eos_token_id"] = 2
     cfg["initializer_range"] = 0.02
     return cfg
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # CI size: both layer types, GQA 16:1, sparse parameters scaled down so selection drops blocks at 512 tokens.
+    # CI size: both layer types, sparse parameters scaled down so selection drops blocks at 512 tokens.
     "tiny": _scaled(
-        vocab_size=264,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=1,
-        head_dim=8,
-        lightning_nh=4,
-        lightning_nkv=4,
-        lightning_head_dim=32,
+        (264, 128, 256, 4, 8, 32),
         max_position_embeddings=4096,
         mixer_types=["minicpm4", "lightning-attn", "lightning-attn", "minicpm4"],
         sparse_config={
@@ -95,16 +97,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # The trained-model shape: 8 layers, minicpm4 first and last (the real 1:3 ratio), Marlin-friendly sizes.
     "small": _scaled(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=1,
-        head_dim=16,
-        lightning_nh=4,
-        lightning_nkv=4,
-        lightning_head_dim=64,
+        (4096, 256, 1024, 8, 16, 64),
         max_position_embeddings=8192,
         mixer_types=["minicpm4"] + ["lightning-attn"] * 6 + ["minicpm4"],
         sparse_config={**DEFAULT_SPARSE_CONFIG, "window_size": 512, "topk": 8, "dense_len": 1024},
