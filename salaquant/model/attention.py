@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .cache import LightningLayerCache, SparseLayerCache
 from .config import SalaConfig
@@ -45,6 +47,12 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out.transpose(1, 2)
 
 
+SparseCache = SparseLayerCache | StaticSparseCache | None
+"""What a minicpm4 layer's ``cache`` may be: prefill/eval's growing cache, the runtime's static one, or none."""
+LightningCache = LightningLayerCache | StaticLightningCache | None
+"""What a lightning layer's ``cache`` may be."""
+
+
 def project_qkv(attn: nn.Module, x: torch.Tensor, *extra: str) -> list[torch.Tensor]:
     """q ``[B, T, num_heads, head_dim]``, k and v ``[B, T, num_kv_heads, head_dim]`` (the sizes of ``attn``) of
     ``x`` ``[B, T, *]``, then the outputs of the ``extra`` linears of the same input (fused or not:
@@ -55,25 +63,57 @@ def project_qkv(attn: nn.Module, x: torch.Tensor, *extra: str) -> list[torch.Ten
     return [q.view(b, t, attn.num_heads, attn.head_dim), k.view(kv_shape), v.view(kv_shape), *rest]
 
 
-class SparseAttention(nn.Module):
+class _Mixer(nn.Module):
+    """What both layer mixers share: the q/k/v/o projections, and around the mixing: q/k/v and the output gate's
+    input from one projection of ``x``, q/k norms and RoPE where the layer uses them, then the gate (``sigmoid``)
+    and ``o_proj`` on the mixed heads. ``mix`` (each mixer's) takes q ``[B, T, num_heads, head_dim]`` and k/v
+    ``[B, T, num_kv_heads, head_dim]`` and returns ``[B, T, num_heads * head_dim]`` in ``x``'s dtype."""
+
+    gate_name: str  # the output gate's linear
+    use_qk_norm: bool
+    use_rope: bool
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, use_gate: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.use_gate = use_gate
+        if use_gate:
+            self.add_module(self.gate_name, nn.Linear(hidden, num_heads * head_dim, bias=False))
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, cache: Any, mode: str, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, rope: RopeTables | None, cache: Any = None, mode: str = "auto") -> torch.Tensor:
+        q, k, v, *gate = project_qkv(self, x, *((self.gate_name,) if self.use_gate else ()))
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            assert rope is not None
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.mix(q, k, v, cache, mode, x.dtype)
+        if self.use_gate:
+            out = out * torch.sigmoid(gate[0])
+        return self.o_proj(out)
+
+
+class SparseAttention(_Mixer):
     """minicpm4 layer mixer. ``mode``: "auto" (sparse when the total length reaches dense_len),
     "dense" (forced dense: the calibration switch) or "sparse" (always InfLLM-v2)."""
 
+    gate_name = "o_gate"
+
     def __init__(self, config: SalaConfig) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d
+        c = config
+        super().__init__(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attn_use_output_gate
+        )
         self.use_rope = config.attn_use_rope
-        self.use_gate = config.attn_use_output_gate
+        self.use_qk_norm = False  # SALA's minicpm4 layers have no q/k norms
         self.rope_theta = config.rope_theta
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        if self.use_gate:
-            self.o_gate = nn.Linear(h, self.num_heads * d, bias=False)
         self.dense_len = config.dense_len
         self.sparse = SparseParams.from_config(config.sparse_config) if config.sparse_config is not None else None
         self.sparse_fn = infllm_v2_attention  # the reference; the runtime binds a backend (use_layer_kernels)
@@ -92,18 +132,8 @@ class SparseAttention(nn.Module):
         assert self.dense_len is not None
         return total_len >= self.dense_len
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RopeTables | None,
-        cache: SparseLayerCache | StaticSparseCache | None = None,
-        mode: str = "auto",
-    ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v, *gate = project_qkv(self, x, *(("o_gate",) if self.use_gate else ()))
-        if self.use_rope:
-            assert rope is not None
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, cache: SparseCache, mode: str, dtype: torch.dtype) -> Tensor:
+        b, t = q.shape[:2]
         if self.kv_cache_dtype != "bf16":  # what an FP8 cache gives back (the keys after RoPE, as stored)
             k, v = stored(k, self.kv_cache_dtype), stored(v, self.kv_cache_dtype)
         scale = self.head_dim**-0.5
@@ -111,10 +141,7 @@ class SparseAttention(nn.Module):
             out = decode_attention(q, k, v, cache, self.sparse, self.dense_len, mode, self.decode_backend)
         else:
             out = self._attend(q, k, v, cache, mode, scale)
-        out = out.reshape(b, t, self.num_heads * self.head_dim).to(x.dtype)
-        if self.use_gate:
-            out = out * torch.sigmoid(gate[0])
-        return self.o_proj(out)
+        return out.reshape(b, t, self.num_heads * self.head_dim).to(dtype)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SparseLayerCache | None, mode: str, scale: float
@@ -141,31 +168,23 @@ class SparseAttention(nn.Module):
         return dense_causal_attention(q, k, v, scale)
 
 
-class LightningAttention(nn.Module):
+class LightningAttention(_Mixer):
     """lightning layer mixer (Simple GLA with fixed per-head decay)."""
 
+    gate_name = "z_proj"
+
     def __init__(self, config: SalaConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.num_heads = config.lightning_nh
-        self.num_kv_heads = config.lightning_nkv
-        self.head_dim = d = config.lightning_head_dim
+        c, d = config, config.lightning_head_dim
+        super().__init__(c.hidden_size, c.lightning_nh, c.lightning_nkv, d, c.use_output_gate)
         self.scale = config.lightning_scale
         self.use_rope = config.lightning_use_rope
         self.use_qk_norm = config.qk_norm
         self.use_out_norm = config.use_output_norm
-        self.use_gate = config.use_output_gate
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         if self.use_qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         if self.use_out_norm:
             self.o_norm = RMSNorm(self.num_heads * d, config.rms_norm_eps)
-        if self.use_gate:
-            self.z_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.gla_fn = simple_gla  # the reference; the runtime binds a backend (use_layer_kernels)
         self._decay: dict[torch.device, torch.Tensor] = {}
 
@@ -176,20 +195,8 @@ class LightningAttention(nn.Module):
             self._decay[device] = -alibi_slopes(self.num_heads).to(device)
         return self._decay[device]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RopeTables | None,
-        cache: LightningLayerCache | StaticLightningCache | None = None,
-        mode: str = "auto",
-    ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v, *gate = project_qkv(self, x, *(("z_proj",) if self.use_gate else ()))
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            assert rope is not None
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, cache: LightningCache, mode: str, dtype: torch.dtype) -> Tensor:
+        b, t = q.shape[:2]
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k = k.repeat_interleave(group, dim=2)
@@ -202,18 +209,14 @@ class LightningAttention(nn.Module):
             q,
             k,
             v,
-            self._g_gamma(x.device),
+            self._g_gamma(q.device),
             self.scale,
             initial_state=state,
             output_final_state=cache is not None,
-            out_dtype=x.dtype,
+            out_dtype=dtype,
             in_place=static,
         )
         if cache is not None and not static:
             cache.state = final
-        o = o.to(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
-        if self.use_out_norm:
-            o = self.o_norm(o)
-        if self.use_gate:
-            o = o * torch.sigmoid(gate[0])
-        return self.o_proj(o)
+        o = o.to(dtype).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_norm(o) if self.use_out_norm else o
