@@ -11,9 +11,10 @@ import torch
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.io.reader import CheckpointReader
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.input_scale import FACTORS, SEARCH_TOKENS, InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 
@@ -76,7 +77,8 @@ def test_stride_counts_every_large_token_and_every_kth_small_one() -> None:
     for k, f in enumerate(FACTORS):
         want = _modelopt_err2(x[large], base * f) + 3 * _modelopt_err2(kept, base * f)
         assert float(search.err2[k]) == pytest.approx(want, rel=1e-6)
-    assert search.tokens == 200 and search.measured == int(large.sum()) + kept.shape[0]
+    rep = search.report()
+    assert rep["tokens"] == 200 and rep["tokens_measured"] == int(large.sum()) + kept.shape[0]
 
 
 def test_stride_from_the_calibration_size() -> None:
@@ -98,7 +100,7 @@ def test_export_writes_the_chosen_scale_for_every_input(fp32_model: Path, tmp_pa
     for rule in ("max", "mse"):
         opts = NVFP4LayerOptions(mse_iters=0, input_scale=rule)
         run = NVFP4RunOptions(device="cpu", show_progress=False, propagate=propagate)
-        outs[rule] = run_nvfp4(model, tmp_path / rule, data, calib, opts, run, QUIET)
+        outs[rule] = run_method(model, tmp_path / rule, data, calib, NVFP4Method(opts, run), QUIET)
     report = json.loads((outs["mse"] / "quant_report.json").read_text())
     tokens = report["calibration"]["tokens"]
     mse, mx = CheckpointReader(outs["mse"]), CheckpointReader(outs["max"])

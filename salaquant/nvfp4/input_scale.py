@@ -51,15 +51,6 @@ class InputScaleSearch:
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.max_scale.device)  # tokens seen, measured
         self._small_seen = 0  # small tokens passed so far: the stride runs across chunks (and samples)
 
-    @property
-    def tokens(self) -> int:
-        return int(self.counts[0])
-
-    @property
-    def measured(self) -> int:
-        """Tokens whose error was computed."""
-        return int(self.counts[1])
-
     def fresh(self) -> InputScaleSearch:
         """An empty search over the same candidates (another leaf of samples: its stride starts again)."""
         return InputScaleSearch(self.max_scale, self.stride)
@@ -115,15 +106,17 @@ class InputScaleSearch:
         return self.max_scale * self.best_factor()
 
     def report(self) -> dict[str, Any]:
-        """The chosen factor and the relative error (error / signal energy) at it and at the max rule."""
+        """The chosen factor, the relative error (error / signal energy) at it and at the max rule, the tokens seen and
+        the tokens whose error was computed."""
         total = float(self.sum_sq)
         err = self.err2.tolist()
         rel = [e / total if total > 0 else 0.0 for e in err]
         best = self.best_factor()
+        tokens, measured = self.counts.tolist()
         return {
             "factor": best,
             "rel_err": rel[FACTORS.index(best)],
             "rel_err_max_rule": rel[FACTORS.index(1.0)],
-            "tokens": self.tokens,
-            "tokens_measured": self.measured,
+            "tokens": tokens,
+            "tokens_measured": measured,
         }
