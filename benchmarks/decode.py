@@ -39,11 +39,12 @@ from rich.console import Console
 from rich.table import Table
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.driver import run_method
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.tiny import preset_config, write_random_checkpoint
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.decode import Decoder
 from salaquant.runtime.load import load
@@ -58,23 +59,22 @@ def exports(source: Path, scratch: Path, device: str) -> dict[str, Path]:
     """The GPTQ W4A16 g128 and NVFP4 (SGLang's exclusions) exports of ``source``, from one 128-token sample."""
     console = Console(quiet=True)
     calib = CalibOptions(max_samples=1, max_len=128)
-    gptq = run_gptq(
+    gptq = run_method(
         source,
         scratch / "gptq",
         [str(CALIB)],
         calib,
-        BitsOptions(),
-        GPTQLayerOptions(method="rtn"),
-        RunOptions(device=device, show_progress=False),
+        GPTQMethod(BitsOptions(), GPTQLayerOptions(method="rtn"), RunOptions(device=device, show_progress=False)),
         console,
     )
-    nvfp4 = run_nvfp4(
+    nvfp4 = run_method(
         source,
         scratch / "nvfp4",
         [str(CALIB)],
         calib,
-        NVFP4LayerOptions(mse_iters=0, smooth_alpha=None),
-        NVFP4RunOptions(device=device, show_progress=False),
+        NVFP4Method(
+            NVFP4LayerOptions(mse_iters=0, smooth_alpha=None), NVFP4RunOptions(device=device, show_progress=False)
+        ),
         console,
     )
     return {"GPTQ W4A16": gptq, "NVFP4": nvfp4}

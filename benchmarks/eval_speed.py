@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.driver import run_method
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.tiny import preset_config, write_random_checkpoint
@@ -53,14 +54,12 @@ def setup(scratch: Path, preset: str, device: str) -> dict[str, float]:
     for f in (TINY).glob("*token*"):
         shutil.copy(f, source / f.name)
     t1 = time.perf_counter()
-    run_gptq(
+    run_method(
         source,
         scratch / "gptq",
         [str(CALIB)],
         CalibOptions(max_samples=1, max_len=128),
-        BitsOptions(),
-        GPTQLayerOptions(method="rtn"),
-        RunOptions(device=device, show_progress=False),
+        GPTQMethod(BitsOptions(), GPTQLayerOptions(method="rtn"), RunOptions(device=device, show_progress=False)),
         Console(quiet=True),
     )
     return {"checkpoint_s": round(t1 - t0, 1), "export_s": round(time.perf_counter() - t1, 1)}

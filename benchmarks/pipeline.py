@@ -171,10 +171,11 @@ def _phase_seconds(report: dict[str, Any]) -> dict[str, float]:
 def run_quantizer(job: QuantRun, device: str) -> dict[str, Any]:
     """``job`` in this process, as the command runs it: wall time and its phases, calibration tokens/s, solve time
     per linear, export size, peak GPU memory and CPU RSS (by phase too)."""
-    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.driver import run_method
+    from salaquant.gptq.command import GPTQMethod, RunOptions
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
-    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
     method, model, calib, out = job.method, job.model, job.calib, job.out
@@ -187,11 +188,11 @@ def run_quantizer(job: QuantRun, device: str) -> dict[str, Any]:
         if method == "gptq":
             run = RunOptions(device=device, show_progress=False, overwrite=True)
             bits = BitsOptions(budget=job.budget)
-            run_gptq(model, out, [str(calib)], options, bits, GPTQLayerOptions(), run, console)
+            run_method(model, out, [str(calib)], options, GPTQMethod(bits, GPTQLayerOptions(), run), console)
         else:
             run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
             layer = NVFP4LayerOptions() if job.input_scale is None else NVFP4LayerOptions(input_scale=job.input_scale)
-            run_nvfp4(model, out, [str(calib)], options, layer, run, console)
+            run_method(model, out, [str(calib)], options, NVFP4Method(layer, run), console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
     timings = report["timings_s"]

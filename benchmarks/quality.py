@@ -56,19 +56,20 @@ MODEL = TINY
 
 
 def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str, Callable[[Path], object]]]:
-    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.driver import run_method
+    from salaquant.gptq.command import GPTQMethod, RunOptions
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
-    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
     def gptq(opts: GPTQLayerOptions) -> Callable[[Path], object]:
         run = RunOptions(device="cpu", show_progress=False, overwrite=True)
-        return lambda out: run_gptq(model, out, [str(CALIB)], calib, BitsOptions(), opts, run, quiet())
+        return lambda out: run_method(model, out, [str(CALIB)], calib, GPTQMethod(BitsOptions(), opts, run), quiet())
 
     def nvfp4(opts: NVFP4LayerOptions, dense_all: bool) -> Callable[[Path], object]:
         run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
-        return lambda out: run_nvfp4(model, out, [str(CALIB)], calib, opts, run, quiet())
+        return lambda out: run_method(model, out, [str(CALIB)], calib, NVFP4Method(opts, run), quiet())
 
     near = NVFP4LayerOptions(rounding="nearest")  # the rounding before GPTQ rounding became the default
     near_plain = NVFP4LayerOptions(mse_iters=0, rounding="nearest")

@@ -137,20 +137,23 @@ def _write_result(out: Path, result: dict[str, Any]) -> None:
 def _variants(
     model: Path, calib: Path, options: CalibOptions, device: str
 ) -> list[tuple[str, str, Callable[[Path, Console], object]]]:
-    from .gptq.command import RunOptions, run_gptq
+    from .driver import run_method
+    from .gptq.command import GPTQMethod, RunOptions
     from .gptq.layer import GPTQLayerOptions
     from .gptq.plan import BitsOptions
-    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from .nvfp4.command import NVFP4Method, NVFP4RunOptions
     from .nvfp4.layer import NVFP4LayerOptions
 
     def gptq(out: Path, console: Console) -> object:
         run = RunOptions(device=device, show_progress=False, overwrite=True)
-        return run_gptq(model, out, [str(calib)], options, BitsOptions(), GPTQLayerOptions(), run, console)
+        return run_method(
+            model, out, [str(calib)], options, GPTQMethod(BitsOptions(), GPTQLayerOptions(), run), console
+        )
 
     def nvfp4(dense_all: bool) -> Callable[[Path, Console], object]:
         def quantize(out: Path, console: Console) -> object:
             run = NVFP4RunOptions(dense_all=dense_all, device=device, show_progress=False, overwrite=True)
-            return run_nvfp4(model, out, [str(calib)], options, NVFP4LayerOptions(), run, console)
+            return run_method(model, out, [str(calib)], options, NVFP4Method(NVFP4LayerOptions(), run), console)
 
         return quantize
 

@@ -1,12 +1,12 @@
 """The one pipeline every quantization method runs: checks -> calibration -> budget -> engine -> export -> check.
 
-A method (`Method`: ``gptq.command.GPTQMethod``, ``nvfp4.command.NVFP4Method``) brings what differs: its plan of
-which linears take which format (validated before any data or model work), its budget units and probe, the
-statistics its layer quantizer reads, the quantizer itself, the summary table, the quantization config and the
-checker of its format. `run_method` does the rest in one order for all of them: refusals before any work, a
-space check before and after the data is read, one guarded work folder (resumable), the budget search, the
-layer-by-layer engine, the staged export that the checker and a recipe's gate see before it replaces the
-output, and one voice under torchrun (rank 0 prints and writes).
+A method (`Method`: ``gptq.command.GPTQMethod``, ``nvfp4.command.NVFP4Method``) brings what differs: how the run
+executes and writes (``run``, an `Execution`), its plan of which linears take which format (validated before any
+data or model work), its budget units and probe, the statistics its layer quantizer reads, the quantizer itself,
+the summary table, the quantization config and the checker of its format. `run_method` does the rest in one order
+for all of them: refusals before any work, a space check before and after the data is read, one guarded work
+folder (resumable), the budget search, the layer-by-layer engine, the staged export that the checker and a
+recipe's gate see before it replaces the output, and one voice under torchrun (rank 0 prints and writes).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Execution:
 class Method(Protocol):
     """What one quantization method brings to `run_method` (methods keep their plan as state)."""
 
+    run: Execution  # how the run executes and writes
     budget: str | None  # an export size to choose formats under, or None
     budget_search: SearchOptions
 
@@ -103,14 +104,14 @@ def run_method(
     sources: list[str],
     calib: CalibOptions,
     method: Method,
-    run: Execution,
     console: Console,
     extra_files: dict[str, Any] | None = None,
     accept: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Quantize ``model`` into ``output`` with ``method``. ``accept`` (a recipe's eval gate) sees the complete,
-    format-checked export before it is moved to ``output``; it raises an `ExportRejected` to keep it beside
-    ``output`` instead."""
+    """Quantize ``model`` into ``output`` with ``method``, run as its ``method.run`` says. ``accept`` (a recipe's eval
+    gate) sees the complete, format-checked export before it is moved to ``output``; it raises an `ExportRejected`
+    to keep it beside ``output`` instead."""
+    run = method.run
     config, ranks = start_run(model, output, sources, device=run.device, overwrite=run.overwrite, resume=run.resume)
     if not ranks.main:  # one voice: rank 0 prints, shows progress and writes the export
         console = Console(quiet=True)

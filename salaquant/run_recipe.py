@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,8 @@ from .settings import EvalGate, Recipe, parse_size, smoothing_for
 
 if TYPE_CHECKING:
     import torch
+
+    from .driver import Method
 
 
 class GateFailed(ExportRejected):
@@ -98,7 +99,7 @@ def _quantize(
     accept: Callable[[Path], None] | None,
 ) -> None:
     """The recipe's quantizer, run into ``output`` (``accept``: its eval gate)."""
-    runner = _gptq_runner if recipe.method in ("gptq", "rtn") else _nvfp4_runner
+    method_of = _gptq_method if recipe.method in ("gptq", "rtn") else _nvfp4_method
     e = recipe.engine
     execution = {
         "device": e.device,
@@ -109,18 +110,12 @@ def _quantize(
         "overwrite": overwrite,
         "show_progress": show_progress,
     }
-    quantize = runner(recipe, execution, smoothing_for(recipe))
+    from .driver import run_method
+
+    method = method_of(recipe, execution, smoothing_for(recipe))
     extra = {"recipe.yaml": recipe.to_yaml()}
     try:
-        quantize(
-            model,
-            output,
-            recipe.calibration.sources,
-            calib_options(recipe),
-            console=console,
-            extra_files=extra,
-            accept=accept,
-        )
+        run_method(model, output, recipe.calibration.sources, calib_options(recipe), method, console, extra, accept)
     except ValueError as exc:
         refusal = _refusal(recipe, recipe_path, exc)
         if refusal is None:
@@ -131,10 +126,10 @@ def _quantize(
 Smoothing = tuple[float | None, tuple[str, ...]]
 
 
-def _gptq_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Callable[..., Path]:
-    """``run_gptq`` with the recipe's bits plan and solver, ``execution`` (``driver.Execution``'s fields) and the
-    export's checks bound (``rtn``: the same grid, no solve)."""
-    from .gptq.command import RunOptions, run_gptq
+def _gptq_method(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Method:
+    """The GPTQ method with the recipe's bits plan and solver, ``execution`` (``driver.Execution``'s fields) and the
+    export's checks (``rtn``: the same grid, no solve)."""
+    from .gptq.command import GPTQMethod, RunOptions
     from .gptq.layer import GPTQLayerOptions
     from .gptq.plan import BitsOptions, BitsRule
 
@@ -148,12 +143,12 @@ def _gptq_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing
     solver = g.model_dump(exclude={"quantize_lm_head"})  # refused before any run: the recipe's own check
     layer = GPTQLayerOptions(**solver, smooth_alpha=alpha, smooth_groups=groups, method=method)
     run = RunOptions(**execution, tp=recipe.export.tp, marlin_fallback=recipe.export.marlin_fallback)
-    return functools.partial(run_gptq, bits=bits, layer=layer, run=run)
+    return GPTQMethod(bits, layer, run)
 
 
-def _nvfp4_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Callable[..., Path]:
-    """``run_nvfp4`` with the recipe's exclusions, scale search and rounding, and ``execution`` bound."""
-    from .nvfp4.command import NVFP4RunOptions, run_nvfp4
+def _nvfp4_method(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothing) -> Method:
+    """The NVFP4 method with the recipe's exclusions, scale search and rounding, and ``execution``."""
+    from .nvfp4.command import NVFP4Method, NVFP4RunOptions
     from .nvfp4.layer import NVFP4LayerOptions
 
     q, n, (alpha, groups) = recipe.quantization, recipe.nvfp4, smoothing
@@ -167,7 +162,7 @@ def _nvfp4_runner(recipe: Recipe, execution: dict[str, Any], smoothing: Smoothin
         budget_seq_len=q.budget_seq_len,
         **execution,
     )
-    return functools.partial(run_nvfp4, layer=layer, run=run)
+    return NVFP4Method(layer, run)
 
 
 def _refusal(recipe: Recipe, recipe_path: str | None, exc: ValueError) -> RecipeError | None:

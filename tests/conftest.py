@@ -42,16 +42,16 @@ def small_nvfp4_export(source: Path, out: Path) -> Path:
     from rich.console import Console
 
     from salaquant.calibration.calib_data import CalibOptions
-    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.driver import run_method
+    from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
-    return run_nvfp4(
+    return run_method(
         source,
         out,
         [str(Path(__file__).resolve().parents[1] / "calib" / "sala-tiny-calib.jsonl")],
         CalibOptions(max_samples=1, max_len=64),
-        NVFP4LayerOptions(mse_iters=0),
-        NVFP4RunOptions(device="cpu", show_progress=False),
+        NVFP4Method(NVFP4LayerOptions(mse_iters=0), NVFP4RunOptions(device="cpu", show_progress=False)),
         Console(quiet=True),
     )
 
@@ -62,19 +62,18 @@ def shipped_rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rich.console import Console
 
     from salaquant.calibration.calib_data import CalibOptions
-    from salaquant.gptq.command import RunOptions, run_gptq
+    from salaquant.driver import run_method
+    from salaquant.gptq.command import GPTQMethod, RunOptions
     from salaquant.gptq.layer import GPTQLayerOptions
     from salaquant.gptq.plan import BitsOptions
 
     root = Path(__file__).resolve().parents[1]
-    return run_gptq(
+    return run_method(
         root / "models" / "sala-tiny",
         tmp_path_factory.mktemp("shipped") / "w4",
         [str(root / "calib" / "sala-tiny-calib.jsonl")],
         CalibOptions(max_samples=2, max_len=128),
-        BitsOptions(),
-        GPTQLayerOptions(method="rtn"),
-        RunOptions(device="cpu", show_progress=False),
+        GPTQMethod(BitsOptions(), GPTQLayerOptions(method="rtn"), RunOptions(device="cpu", show_progress=False)),
         Console(quiet=True),
     )
 

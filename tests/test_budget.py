@@ -19,15 +19,16 @@ from salaquant.budget.search import BudgetPlan, SearchOptions, saved_choice
 from salaquant.budget.size import Budget, BudgetError, Unit, parse_budget
 from salaquant.budget.solver import solve
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.gptq.budget import gptq_probe, gptq_units
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions, PlanError, build_plan
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def gptq_budget_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("budget") / "gptq"
     bits = BitsOptions(budget="7bits", budget_windows=4, budget_seq_len=64)
     run = RunOptions(device="cpu", show_progress=False)
-    return run_gptq(MODEL, out, CALIB, SMALL, bits, GPTQLayerOptions(), run, QUIET)
+    return run_method(MODEL, out, CALIB, SMALL, GPTQMethod(bits, GPTQLayerOptions(), run), QUIET)
 
 
 def test_gptq_budget_bytes_are_the_exported_bytes(gptq_budget_export: Path) -> None:
@@ -183,7 +184,7 @@ def test_nvfp4_budget_honours_the_exclusion_cascade(tmp_path: Path) -> None:
     """NVFP4 under a budget: the predicted bytes are the exported bytes, each attention block is NVFP4 or bf16 as a
     whole (SGLang's cascade), and the export's exclude_modules keep exactly the blocks chosen bf16."""
     run = NVFP4RunOptions(device="cpu", show_progress=False, budget="6bits", budget_windows=2, budget_seq_len=64)
-    out = run_nvfp4(MODEL, tmp_path / "nvfp4", CALIB, SMALL, NVFP4LayerOptions(mse_iters=0), run, QUIET)
+    out = run_method(MODEL, tmp_path / "nvfp4", CALIB, SMALL, NVFP4Method(NVFP4LayerOptions(mse_iters=0), run), QUIET)
     report = json.loads((out / "quant_report.json").read_text())["budget"]
     assert report["predicted_bytes"] == report["achieved_bytes"] == _tensor_bytes(out)
     assert report["predicted_bytes"] <= report["budget_bytes"]
@@ -220,7 +221,7 @@ def test_bad_budgets_fail_before_any_work(tmp_path: Path) -> None:
     run = RunOptions(device="cpu", show_progress=False)
 
     def gptq(bits: BitsOptions) -> None:
-        run_gptq(MODEL, tmp_path / "out", missing, SMALL, bits, GPTQLayerOptions(), run, QUIET)
+        run_method(MODEL, tmp_path / "out", missing, SMALL, GPTQMethod(bits, GPTQLayerOptions(), run), QUIET)
 
     # the smallest: every group 4-bit but the minicpm4 q/k/v, which gptq_marlin cannot serve (bf16): 9,012,736 B
     with pytest.raises(BudgetError, match=r"below the smallest export .* 9\.01 MB \(4\.44 bits\)"):
@@ -232,10 +233,16 @@ def test_bad_budgets_fail_before_any_work(tmp_path: Path) -> None:
     from salaquant.nvfp4.plan import NVFP4PlanError
 
     with pytest.raises(NVFP4PlanError, match="drop --dense-all"):
-        run_nvfp4(
-            MODEL, tmp_path / "o4", missing, SMALL, NVFP4LayerOptions(),
-            NVFP4RunOptions(device="cpu", show_progress=False, budget="6bits", dense_all=True), QUIET,
-        )  # fmt: skip
+        run_method(
+            MODEL,
+            tmp_path / "o4",
+            missing,
+            SMALL,
+            NVFP4Method(
+                NVFP4LayerOptions(), NVFP4RunOptions(device="cpu", show_progress=False, budget="6bits", dense_all=True)
+            ),
+            QUIET,
+        )
     from salaquant.outputs import work_dir_for
 
     for out in (tmp_path / "out", tmp_path / "o4"):

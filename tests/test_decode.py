@@ -10,11 +10,12 @@ import torch
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.model.cache import SalaCache
 from salaquant.model.modeling import NonFiniteLogits
 from salaquant.model.sampling import Sampling
 from salaquant.model.static_cache import StaticCache
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.decode import Decoder, bucket
 from salaquant.runtime.linear import GPTQLinear, NVFP4Linear
@@ -113,13 +114,12 @@ def test_fused_projections_compute_what_their_members_do(
     fused q/k/v with the output gate where the members share what a fused linear needs (else q/k/v alone), and
     exactly the logits of the unfused model (each output column is computed alone, in the same order)."""
     ids = _prompts((40,), 4096)[0]
-    nvfp4 = run_nvfp4(
+    nvfp4 = run_method(
         fp32_model,
         tmp_path / "nvfp4",
         [str(ROOT / "calib" / "sala-tiny-calib.jsonl")],
         CalibOptions(max_samples=1, max_len=64),
-        NVFP4LayerOptions(mse_iters=0),
-        NVFP4RunOptions(device="cpu", show_progress=False),
+        NVFP4Method(NVFP4LayerOptions(mse_iters=0), NVFP4RunOptions(device="cpu", show_progress=False)),
         Console(quiet=True),
     )
     cases = [(fp32_model, "bf16", torch.nn.Linear), (shipped_rtn_export, "bf16", GPTQLinear)]

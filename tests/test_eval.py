@@ -378,16 +378,16 @@ def test_threshold_parsing_and_checks() -> None:
 def test_nvfp4_evaluated_w4a4_by_default(export: Path, tmp_path: Path) -> None:
     """An NVFP4 export is scored as Blackwell runs it (FP4 activations) unless asked for weight-only; the FP4
     activations add error on top of the weights'. A GPTQ export is weight-only and refuses fp4."""
-    from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+    from salaquant.driver import run_method
+    from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
-    nvfp4 = run_nvfp4(
+    nvfp4 = run_method(
         MODEL,
         tmp_path / "nvfp4",
         [CALIB],
         CalibOptions(max_samples=2, max_len=128),
-        NVFP4LayerOptions(mse_iters=0),
-        NVFP4RunOptions(device="cpu", show_progress=False),
+        NVFP4Method(NVFP4LayerOptions(mse_iters=0), NVFP4RunOptions(device="cpu", show_progress=False)),
         QUIET,
     )
     fast = {"gen_tokens": 0, "layer_windows": 0}

@@ -10,10 +10,11 @@ import torch
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.check import check_checkpoint
 from salaquant.formats.gptq_v1.dynamic import plan_for
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions, GPTQLayerQuantizer
 from salaquant.gptq.plan import BitsOptions, PlanError, build_plan
 from salaquant.io.reader import CheckpointReader
@@ -50,14 +51,14 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     Quantizer.captured = captured
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(command, "GPTQLayerQuantizer", Quantizer)
-        run_gptq(
+        run_method(
             MODEL,
             out,
             [CALIB],
             CalibOptions(max_samples=6, max_len=768),
-            BitsOptions(layer_bits="7:8"),
-            GPTQLayerOptions(),
-            RunOptions(device="cpu", show_progress=False),
+            GPTQMethod(
+                BitsOptions(layer_bits="7:8"), GPTQLayerOptions(), RunOptions(device="cpu", show_progress=False)
+            ),
             QUIET,
         )
     return out, captured
@@ -150,14 +151,14 @@ def test_reload_matches_fake_quant_logits(exported) -> None:
 
 def test_marlin_incompatible_plan_fails_early(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="gptq_marlin"):
-        run_gptq(
+        run_method(
             MODEL,
             tmp_path / "o",
             ["/nonexistent.jsonl"],
             CalibOptions(),
-            BitsOptions(),
-            GPTQLayerOptions(),
-            RunOptions(device="cpu", show_progress=False, marlin_fallback=False),
+            GPTQMethod(
+                BitsOptions(), GPTQLayerOptions(), RunOptions(device="cpu", show_progress=False, marlin_fallback=False)
+            ),
             QUIET,
         )
 

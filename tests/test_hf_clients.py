@@ -20,8 +20,9 @@ import pytest
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.gptq_v1.dynamic import plan_for
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.io.reader import CheckpointReader
@@ -53,7 +54,10 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run = RunOptions(device="cpu", show_progress=False)
     small = CalibOptions(max_samples=2, max_len=128)
     quiet = Console(quiet=True)
-    return {k: run_gptq(MODEL, root / k, CALIB, small, b, GPTQLayerOptions(), run, quiet) for k, b in BITS.items()}
+    return {
+        k: run_method(MODEL, root / k, CALIB, small, GPTQMethod(b, GPTQLayerOptions(), run), quiet)
+        for k, b in BITS.items()
+    }
 
 
 def _client(name: str, paths: list[Path]) -> dict[str, Any]:

@@ -11,13 +11,14 @@ from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
 from salaquant.calibration.stats import GroupStats
+from salaquant.driver import run_method
 from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.config import SalaConfig
 from salaquant.model.layout import input_groups
 from salaquant.model.loading import CheckpointParts, load_model
 from salaquant.model.modeling import layer_rope
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions, NVFP4LayerQuantizer
 from salaquant.nvfp4.plan import NVFP4PlanError, build_nvfp4_plan
 
@@ -74,13 +75,15 @@ def test_dense_all_smoothing_keeps_o_gate_consistent(tiny_ckpt_fp32: Path) -> No
 
 
 def _run(out: Path, **kw) -> Path:
-    return run_nvfp4(
+    return run_method(
         MODEL,
         out,
         [CALIB],
         CalibOptions(max_samples=4, max_len=512),
-        NVFP4LayerOptions(mse_iters=kw.pop("mse_iters", 20), rounding=kw.pop("rounding", "gptq")),
-        NVFP4RunOptions(device="cpu", show_progress=False, **kw),
+        NVFP4Method(
+            NVFP4LayerOptions(mse_iters=kw.pop("mse_iters", 20), rounding=kw.pop("rounding", "gptq")),
+            NVFP4RunOptions(device="cpu", show_progress=False, **kw),
+        ),
         QUIET,
     )
 

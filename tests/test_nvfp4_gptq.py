@@ -14,6 +14,7 @@ from rich.console import Console
 from shipped import CALIB, SHIPPED
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.modelopt_nvfp4.numerics import (
     E2M1_GRID,
     block_scales,
@@ -21,7 +22,7 @@ from salaquant.formats.modelopt_nvfp4.numerics import (
     quantize_nvfp4,
     unpack_nibbles,
 )
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.gptq import gptq_nvfp4
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.nvfp4.search import search_block_scales
@@ -155,8 +156,14 @@ def test_command_lowers_every_linears_hessian_error(tmp_path: Path, static: bool
     a tenth above it (scales during: they differ from the searched ones)."""
     opts = NVFP4LayerOptions(mse_iters=8, rounding="gptq", static_scales=static)
     run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=True)
-    out = run_nvfp4(SHIPPED, tmp_path / "out", [CALIB], CalibOptions(max_samples=4, max_len=512), opts, run,
-                    Console(quiet=True))  # fmt: skip
+    out = run_method(
+        SHIPPED,
+        tmp_path / "out",
+        [CALIB],
+        CalibOptions(max_samples=4, max_len=512),
+        NVFP4Method(opts, run),
+        Console(quiet=True),
+    )
     settings = json.loads((out / "salaquant_settings.json").read_text())
     assert settings["nvfp4"]["rounding"] == "gptq" and settings["nvfp4"]["static_scales"] is static
     linears = [e for r in json.loads((out / "quant_report.json").read_text())["layers"] for e in r["linears"].values()]

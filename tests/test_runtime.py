@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 
 from salaquant.calibration.calib_data import CalibOptions
 from salaquant.cli import app
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.driver import run_method
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.io.reader import CheckpointReader
 from salaquant.model.loading import load_model
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.linear import GPTQLinear, NVFP4Linear
 from salaquant.runtime.load import load
@@ -31,23 +32,20 @@ SMALL = CalibOptions(max_samples=2, max_len=128)
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rt")
-    gptq = run_gptq(
+    gptq = run_method(
         MODEL,
         root / "gptq",
         [CALIB],
         SMALL,
-        BitsOptions(),
-        GPTQLayerOptions(),
-        RunOptions(device="cpu", show_progress=False),
+        GPTQMethod(BitsOptions(), GPTQLayerOptions(), RunOptions(device="cpu", show_progress=False)),
         QUIET,
     )
-    nvfp4 = run_nvfp4(
+    nvfp4 = run_method(
         MODEL,
         root / "nvfp4",
         [CALIB],
         SMALL,
-        NVFP4LayerOptions(mse_iters=4),
-        NVFP4RunOptions(device="cpu", show_progress=False),
+        NVFP4Method(NVFP4LayerOptions(mse_iters=4), NVFP4RunOptions(device="cpu", show_progress=False)),
         QUIET,
     )
     return {"gptq": gptq, "nvfp4": nvfp4}

@@ -21,15 +21,16 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.formats.check import CheckError, check_checkpoint
 from salaquant.formats.gptq_v1.packing import dequantize_gptq_v1
 from salaquant.formats.modelopt_nvfp4.numerics import NVFP4Weight
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.config import SalaConfig
 from salaquant.model.loading import load_model
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.serving import FORMATS, SGLANG_VERSION
 
@@ -51,12 +52,14 @@ DEFAULTS_DIFFER = ("attn_use_rope", "use_output_gate", "use_output_norm", "scale
 
 def _gptq(out: Path, bits: BitsOptions) -> Path:
     run = RunOptions(device="cpu", show_progress=False)
-    return run_gptq(MODEL, out, CALIB, SMALL, bits, GPTQLayerOptions(), run, QUIET)
+    return run_method(MODEL, out, CALIB, SMALL, GPTQMethod(bits, GPTQLayerOptions(), run), QUIET)
 
 
 def _nvfp4(out: Path, dense_all: bool, budget: str | None = None, rounding: str = "nearest") -> Path:
     run = NVFP4RunOptions(device="cpu", show_progress=False, dense_all=dense_all, budget=budget, budget_seq_len=64)
-    return run_nvfp4(MODEL, out, CALIB, SMALL, NVFP4LayerOptions(mse_iters=8, rounding=rounding), run, QUIET)
+    return run_method(
+        MODEL, out, CALIB, SMALL, NVFP4Method(NVFP4LayerOptions(mse_iters=8, rounding=rounding), run), QUIET
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +161,14 @@ def test_export_states_the_keys_whose_defaults_differ(tmp_path: Path) -> None:
     ours = SalaConfig.from_file(source)
     assert _sglang_facts(sglang_engine.parse_config(source), ours) != _model_facts(ours)  # the hazard is real
 
-    out = run_gptq(
-        source, tmp_path / "w4", CALIB, SMALL, BitsOptions(), GPTQLayerOptions(method="rtn"),
-        RunOptions(device="cpu", show_progress=False), QUIET,
-    )  # fmt: skip
+    out = run_method(
+        source,
+        tmp_path / "w4",
+        CALIB,
+        SMALL,
+        GPTQMethod(BitsOptions(), GPTQLayerOptions(method="rtn"), RunOptions(device="cpu", show_progress=False)),
+        QUIET,
+    )
     written = json.loads((out / "config.json").read_text())
     assert all(key in written for key in DEFAULTS_DIFFER)
     assert _sglang_facts(sglang_engine.parse_config(out), ours) == _model_facts(ours)

@@ -11,12 +11,13 @@ import torch
 from rich.console import Console
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.eval.command import run_eval
 from salaquant.eval.options import EvalOptions
 from salaquant.eval.w4a4_split import ActivationsOnlyLinear, activations_only, smoothing_scales
 from salaquant.model.layout import GROUP_NAMES, input_groups
 from salaquant.model.modeling import layer_rope
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.linear import NVFP4Linear
 from salaquant.runtime.load import load
@@ -28,13 +29,15 @@ QUIET = Console(quiet=True)
 @pytest.fixture(scope="module")
 def smoothed_export(fp32_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An NVFP4 export with SmoothQuant on all four groups (``up_proj`` rows -> ``down_proj`` included)."""
-    return run_nvfp4(
+    return run_method(
         fp32_model,
         tmp_path_factory.mktemp("nvfp4") / "out",
         [str(ROOT / "calib" / "sala-tiny-calib.jsonl")],
         CalibOptions(max_samples=2, max_len=128),
-        NVFP4LayerOptions(mse_iters=0, smooth_groups=GROUP_NAMES),
-        NVFP4RunOptions(device="cpu", show_progress=False),
+        NVFP4Method(
+            NVFP4LayerOptions(mse_iters=0, smooth_groups=GROUP_NAMES),
+            NVFP4RunOptions(device="cpu", show_progress=False),
+        ),
         QUIET,
     )
 

@@ -29,7 +29,8 @@ from scoring import CALIB, MODEL, TextSet, paired, quiet, scoring_arguments, sco
 
 from salaquant.budget.size import fixed_bytes, linear_weights
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.driver import run_method
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions, BitsRule
 from salaquant.io.reader import CheckpointReader
@@ -67,7 +68,7 @@ def run_row(name: str, bits: BitsOptions, args: argparse.Namespace, sets: list[T
     run = RunOptions(device="cpu", show_progress=False, overwrite=True)
     row: dict[str, Any] = {"variant": name, "budget": bits.budget, "budget_windows": bits.budget_windows}
     t0 = time.perf_counter()
-    run_gptq(MODEL, export, [str(CALIB)], calib, bits, GPTQLayerOptions(), run, quiet())
+    run_method(MODEL, export, [str(CALIB)], calib, GPTQMethod(bits, GPTQLayerOptions(), run), quiet())
     row["quantize_s"] = round(time.perf_counter() - t0, 1)
     row["bytes"] = tensor_bytes(export)
     report = json.loads((export / "quant_report.json").read_text())

@@ -30,8 +30,9 @@ import torch
 from scoring import CALIB, ROOT, TextSet, quiet, scoring_arguments, validation_text
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.eval.perplexity import windows
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.loading import load_model
@@ -104,14 +105,12 @@ def main() -> None:
             calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len, bos=bos)
             t0 = time.perf_counter()
             if not (export / "config.json").exists():
-                run_gptq(
+                run_method(
                     model,
                     export,
                     [str(CALIB)],
                     calib,
-                    BitsOptions(),
-                    opts,
-                    RunOptions(device="cpu", show_progress=False, overwrite=True),
+                    GPTQMethod(BitsOptions(), opts, RunOptions(device="cpu", show_progress=False, overwrite=True)),
                     quiet(),
                 )
             net = load_model(export)

@@ -59,7 +59,8 @@ from scoring import (
 )
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.gptq.command import RunOptions, run_gptq
+from salaquant.driver import run_method
+from salaquant.gptq.command import GPTQMethod, RunOptions
 from salaquant.gptq.layer import GPTQLayerOptions
 from salaquant.gptq.plan import BitsOptions
 from salaquant.model.loading import load_model
@@ -120,7 +121,7 @@ def run_variant(
         return {**cached["row"], "variant": name, "tag": tag, "from_cache": str(cache)}
     t0 = time.perf_counter()
     try:
-        run_gptq(MODEL, export, [str(CALIB)], calib, BitsOptions(), opts, run, quiet())
+        run_method(MODEL, export, [str(CALIB)], calib, GPTQMethod(BitsOptions(), opts, run), quiet())
         row["quantize_s"] = round(time.perf_counter() - t0, 1)
         row["calib_rel_err"] = calib_rel_err(export)
         net = load_model(export)

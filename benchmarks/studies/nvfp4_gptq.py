@@ -40,8 +40,9 @@ from scoring import (
 )
 
 from salaquant.calibration.calib_data import CalibOptions
+from salaquant.driver import run_method
 from salaquant.model.loading import load_model
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.load import load
 
@@ -88,7 +89,7 @@ def main() -> None:
             export = args.out / "exports" / f"{slug(name)}-{ex}"
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
             t0 = time.perf_counter()
-            run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
+            run_method(MODEL, export, [str(CALIB)], calib, NVFP4Method(opts, run), quiet())
             quantize_s = time.perf_counter() - t0
             w4a4 = load(export, device=dev, activations="fp4", kernels=False)
             row[ex] = {s.name: s.score(w4a4) for s in sets}

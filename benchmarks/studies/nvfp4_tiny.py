@@ -15,7 +15,8 @@ from rich.console import Console
 from scoring import CALIB, MODEL, Variant, run_benchmark
 
 from salaquant.calibration.calib_data import CalibOptions
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.driver import run_method
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 
 OPTIONS: dict[str, tuple[NVFP4LayerOptions, bool]] = {
@@ -30,7 +31,7 @@ OPTIONS: dict[str, tuple[NVFP4LayerOptions, bool]] = {
 def variant(opts: NVFP4LayerOptions, dense_all: bool):
     def quantize(out: Path, calib: CalibOptions, console: Console) -> object:
         run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
-        return run_nvfp4(MODEL, out, [str(CALIB)], calib, opts, run, console)
+        return run_method(MODEL, out, [str(CALIB)], calib, NVFP4Method(opts, run), console)
 
     return quantize
 

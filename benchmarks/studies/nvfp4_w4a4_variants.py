@@ -43,9 +43,10 @@ from rich.table import Table
 from scoring import CALIB, MODEL, ROOT, decide, mean, quiet, scoring_sets, slug, source_state
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
+from salaquant.driver import run_method
 from salaquant.formats.modelopt_nvfp4.numerics import input_scale
 from salaquant.model.layout import input_groups
-from salaquant.nvfp4.command import NVFP4RunOptions, run_nvfp4
+from salaquant.nvfp4.command import NVFP4Method, NVFP4RunOptions
 from salaquant.nvfp4.input_scale import InputScaleSearch, search_stride
 from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.linear import NVFP4Linear
@@ -187,7 +188,7 @@ def main() -> None:
             export = args.out / "exports" / f"{slug(name)}-{ex}"
             opts = NVFP4LayerOptions(smooth_alpha=alpha, smooth_groups=groups, input_scale="max", rounding="nearest")
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
-            run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
+            run_method(MODEL, export, [str(CALIB)], calib, NVFP4Method(opts, run), quiet())
             row[ex] = {"export": str(export), **score(load(export, device=dev, activations="fp4", kernels=False))}
             row[ex]["seconds"] = round(time.perf_counter() - t0, 1)
             _print(console, name, ex, row[ex], row[ex]["seconds"])
@@ -233,7 +234,7 @@ def main() -> None:
             rounding="nearest",
         )
         run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
-        run_nvfp4(MODEL, export, [str(CALIB)], calib, opts, run, quiet())
+        run_method(MODEL, export, [str(CALIB)], calib, NVFP4Method(opts, run), quiet())
         command_row[ex] = score(load(export, device=dev, activations="fp4", kernels=False))
         report = json.loads((export / "quant_report.json").read_text())
         command_row[ex]["factors"] = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from ..budget.search import SearchOptions
 from ..budget.size import Unit
 from ..calibration.calib_data import CalibOptions
 from ..calibration.distributed import Ranks
-from ..driver import Execution, run_method
+from ..driver import Execution
 from ..export import check_export
 from ..formats.gptq_v1.config import quantization_config
 from ..formats.gptq_v1.dynamic import LinearPlan
@@ -62,8 +61,9 @@ class GPTQMethod:
     """GPTQ W4A16 for `run_method`: bits per linear (``BitsOptions``), the layer solve (``GPTQLayerOptions``), the
     linears gptq_marlin cannot serve at ``tp`` kept in bf16 (``marlin_fallback``) or refused, GPTQ v1 export."""
 
-    def __init__(self, bits: BitsOptions, layer: GPTQLayerOptions, tp: int, marlin_fallback: bool) -> None:
-        self.bits, self.layer, self.tp, self.marlin_fallback = bits, layer, tp, marlin_fallback
+    def __init__(self, bits: BitsOptions, layer: GPTQLayerOptions, run: RunOptions | None = None) -> None:
+        self.bits, self.layer, self.run = bits, layer, run or RunOptions()
+        self.tp, self.marlin_fallback = self.run.tp, self.run.marlin_fallback
         self.budget = bits.budget
         self.budget_search = SearchOptions(bits.budget_windows, bits.budget_seq_len)
         self.plan: dict[str, LinearPlan] = {}
@@ -146,20 +146,3 @@ class GPTQMethod:
             f"GPTQ checkpoint written to [bold]{output}[/] ({len(check.quantized)} quantized linears, "
             f"export {export_seconds:.1f} s); checks for gptq_marlin at tp={self.tp} passed"
         )
-
-
-def run_gptq(
-    model: Path,
-    output: Path,
-    sources: list[str],
-    calib: CalibOptions,
-    bits: BitsOptions,
-    layer: GPTQLayerOptions,
-    run: RunOptions,
-    console: Console,
-    extra_files: dict[str, Any] | None = None,
-    accept: Callable[[Path], None] | None = None,
-) -> Path:
-    """Quantize ``model`` into ``output`` with GPTQ (`run_method`; ``accept`` is a recipe's eval gate)."""
-    method = GPTQMethod(bits, layer, run.tp, run.marlin_fallback)
-    return run_method(model, output, sources, calib, method, run, console, extra_files, accept)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from ..budget.search import SearchOptions
 from ..budget.size import Unit, parse_budget
 from ..calibration.calib_data import CalibOptions
 from ..calibration.distributed import Ranks
-from ..driver import Execution, run_method
+from ..driver import Execution
 from ..export import check_export
 from ..formats.modelopt_nvfp4.config import flat_quantization_config, hf_quant_config
 from ..formats.report import CheckReport
@@ -72,10 +71,10 @@ class NVFP4Method:
     """NVFP4 for `run_method`: which blocks stay bf16 (SGLang's exclusions, ``dense_all``, ``exclude``), the
     block-scale search per layer (``NVFP4LayerOptions``), ModelOpt's export layout."""
 
-    def __init__(self, layer: NVFP4LayerOptions, run: NVFP4RunOptions) -> None:
-        self.layer, self.run = layer, run
-        self.budget = run.budget
-        self.budget_search = SearchOptions(run.budget_windows, run.budget_seq_len)
+    def __init__(self, layer: NVFP4LayerOptions | None = None, run: NVFP4RunOptions | None = None) -> None:
+        self.layer, self.run = layer or NVFP4LayerOptions(), run or NVFP4RunOptions()
+        self.budget = self.run.budget
+        self.budget_search = SearchOptions(self.run.budget_windows, self.run.budget_seq_len)
         self.plan: NVFP4Plan | None = None
 
     def _plan(self) -> NVFP4Plan:
@@ -138,18 +137,3 @@ class NVFP4Method:
             f"NVFP4 checkpoint written to [bold]{output}[/] ({len(check.quantized)} NVFP4 linears, "
             f"{len(check.unquantized)} bf16); ModelOpt-format checks passed"
         )
-
-
-def run_nvfp4(
-    model: Path,
-    output: Path,
-    sources: list[str],
-    calib: CalibOptions,
-    layer: NVFP4LayerOptions,
-    run: NVFP4RunOptions,
-    console: Console,
-    extra_files: dict[str, Any] | None = None,
-    accept: Callable[[Path], None] | None = None,
-) -> Path:
-    """Quantize ``model`` into ``output`` with NVFP4 (`run_method`; ``accept`` is a recipe's eval gate)."""
-    return run_method(model, output, sources, calib, NVFP4Method(layer, run), run, console, extra_files, accept)
