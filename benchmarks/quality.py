@@ -12,10 +12,12 @@ perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreeme
   salaquant's NVFP4 export quantizes: weight-only like the exports above (``W4A16_NVFP4_CFG``, and
   ``NVFP4_AWQ_LITE_CFG`` with its input quantizers off), and W4A4 (``NVFP4_DEFAULT_CFG`` and
   ``NVFP4_AWQ_LITE_CFG`` as they are, input quantizers calibrated on the same samples);
-* llm-compressor GPTQ W4A16 (with and without its SmoothQuant) and GPTQModel GPTQ W4A16, each run in its own
-  virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``) and told to keep the
-  linears salaquant's GPTQ export keeps in bf16 (``--ignore``); a peer that fails is recorded with its error
-  and where it happened.
+* llm-compressor GPTQ W4A16 (with and without its SmoothQuant), GPTQModel GPTQ W4A16 and AutoRound W4A16, each run
+  in its own virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``,
+  ``--autoround-venv``) and told to keep the linears salaquant's GPTQ export keeps in bf16 (``--ignore``);
+  llm-compressor's GPTQ and AutoRound for NVFP4, weight-only and W4A4 (scored with FP4 activations at the peer's
+  own activation scales), told to keep the linears salaquant's default NVFP4 export keeps; a peer that fails is
+  recorded with its error and where it happened.
 
 Every export is read back by ``salaquant.model.loading.load_model`` (weights dequantized) and scored with
 ``salaquant.eval.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
@@ -23,6 +25,7 @@ short samples (seconds; what the tests run). ``--only`` runs the rows whose name
 (with the exports they need).
 
   python benchmarks/quality.py --out OUT [--llmc-venv /tmp/venv-llmc] [--gptqmodel-venv /tmp/venv-gptqmodel]
+      [--autoround-venv /tmp/venv-autoround]
 """
 
 from __future__ import annotations
@@ -191,6 +194,23 @@ def modelopt_nvfp4(
     return net.eval(), info
 
 
+RUNNERS = {  # peer -> its runner in benchmarks/peers/, the script that makes its virtual environment, the tool
+    "llmc": ("llmcompressor_gptq.py", "setup_llmcompressor.sh", "llm-compressor"),
+    "gptqmodel": ("gptqmodel_gptq.py", "setup_gptqmodel.sh", "GPTQModel"),
+    "autoround": ("autoround.py", "setup_autoround.sh", "AutoRound"),
+}
+PEERS = [  # row, peer, folder (OUT/peer-FOLDER), the salaquant export whose bf16 linears it keeps, runner arguments
+    ("llm-compressor GPTQ W4A16", "llmc", "llmc", "gptq", []),
+    ("llm-compressor GPTQ W4A16 + SmoothQuant", "llmc", "llmc-sq", "gptq", ["--smoothquant"]),
+    ("GPTQModel GPTQ W4A16", "gptqmodel", "gptqmodel", "gptq", []),
+    ("AutoRound W4A16", "autoround", "autoround-w4a16", "gptq", ["--scheme", "W4A16"]),
+    ("llm-compressor GPTQ NVFP4A16, default exclusions", "llmc", "llmc-nvfp4a16", "nvfp4", ["--scheme", "NVFP4A16"]),
+    ("llm-compressor GPTQ NVFP4, default exclusions, W4A4", "llmc", "llmc-nvfp4", "nvfp4", ["--scheme", "NVFP4"]),
+    ("AutoRound NVFP4A16, default exclusions", "autoround", "autoround-nvfp4a16", "nvfp4", ["--scheme", "NVFP4A16"]),
+    ("AutoRound NVFP4, default exclusions, W4A4", "autoround", "autoround-nvfp4", "nvfp4", ["--scheme", "NVFP4"]),
+]
+
+
 def run_peer(script: str, venv: Path | None, args: list[str], out: Path, setup: str) -> dict[str, Any]:
     """Run ``benchmarks/peers/<script>`` in ``venv``; its ``peer.json`` (or why it did not run)."""
     if venv is None:
@@ -223,6 +243,8 @@ def main() -> None:
     ap.add_argument("--window-len", type=int, default=1024)
     ap.add_argument("--llmc-venv", type=Path)
     ap.add_argument("--gptqmodel-venv", type=Path)
+    ap.add_argument("--autoround-venv", type=Path)
+    ap.add_argument("--autoround-iters", type=int, help="AutoRound's tuning steps per block (default: its 200)")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
     ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
     args = ap.parse_args()
@@ -267,10 +289,12 @@ def main() -> None:
         console.print(f"{name}: {done} ({r['seconds']} s)")
 
     nvfp4_exports = {"nvfp4": "default", "nvfp4-da": "dense-all"}
-    nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt", "llm-compressor GPTQ NVFP4"))
+    nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt"))
+    needed = {export for label, *_, export, _ in PEERS if wanted(label)}  # the exports the wanted peer rows follow
+    needed |= set(nvfp4_exports) if nvfp4_wanted else set()
     for name, folder, quantize in salaquant_variants(model, calib):
         path = args.out / folder
-        if not wanted(name) and not (folder in nvfp4_exports and nvfp4_wanted):
+        if not wanted(name) and folder not in needed:
             continue
 
         def build(quantize: Callable[[Path], object] = quantize, path: Path = path) -> tuple[torch.nn.Module, dict]:
@@ -280,7 +304,7 @@ def main() -> None:
         if wanted(name):
             record(name, "salaquant", build)
         else:
-            quantize(path)  # an export the NVFP4 rows below need
+            quantize(path)  # an export the rows below need
 
     for export, label in (
         ("nvfp4-gptq", "salaquant NVFP4 default, GPTQ rounding (default), W4A4"),
@@ -303,59 +327,37 @@ def main() -> None:
                 label += ", W4A4" if w4a4 else ""
                 record(label, "ModelOpt", lambda q=quantized, a=awq, w=w4a4: modelopt_nvfp4(model, samples, q, a, w))
 
-    # The peers keep the same linears in bf16 as salaquant's GPTQ export (the ones gptq_marlin cannot serve).
+    # Each peer keeps the linears in bf16 that its salaquant export keeps (GPTQ: those gptq_marlin cannot serve; the
+    # default NVFP4 export); a W4A4 export is scored with FP4 activations at its own scales (input_scales.json).
     ours_gptq, kept_regexes = gptq_linears(args.out / "gptq") if (args.out / "gptq").exists() else (set(), [])
-    base_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
-    base_args += ["--max-len", str(args.max_len)]
-    peer_args = base_args + (["--ignore", *kept_regexes] if kept_regexes else [])
-    peers = [
-        ("llm-compressor GPTQ W4A16", "llmcompressor_gptq.py", args.llmc_venv, [], "setup_llmcompressor.sh", "llmc"),
-        (
-            "llm-compressor GPTQ W4A16 + SmoothQuant",
-            "llmcompressor_gptq.py",
-            args.llmc_venv,
-            ["--smoothquant"],
-            "setup_llmcompressor.sh",
-            "llmc-sq",
-        ),
-        ("GPTQModel GPTQ W4A16", "gptqmodel_gptq.py", args.gptqmodel_venv, [], "setup_gptqmodel.sh", "gptqmodel"),
-    ]
-    for label, script, venv, extra, setup, folder in peers:
-        out = args.out / f"peer-{folder}"
-        tool = label.split(" GPTQ")[0]
-
-        def build_peer(script=script, venv=venv, extra=extra, setup=setup, out=out) -> tuple[torch.nn.Module, dict]:
-            info = run_peer(script, venv, peer_args + extra, out, setup)
-            if "error" in info:
-                raise RuntimeError(json.dumps({k: info[k] for k in ("error", "where") if k in info}))
-            info["same_linears_as_salaquant"] = info.get("quantized_linears") == len(ours_gptq)
-            return load_model(out), info
-
-        record(label, tool, build_peer)
-
-    # llm-compressor's GPTQ for NVFP4, told to keep the linears salaquant's default NVFP4 export keeps in bf16;
-    # the W4A4 export is scored with FP4 activations at its own calibrated activation scales.
     ours_nvfp4 = nvfp4_quantized_linears(args.out / "nvfp4") if (args.out / "nvfp4").exists() else set()
     kept_nvfp4 = [re.escape(n) for n in sorted(_linear_names(reference) - ours_nvfp4)] if ours_nvfp4 else []
-    nvfp4_args = base_args + (["--ignore", *kept_nvfp4] if kept_nvfp4 else [])
-    for label, scheme, folder in (
-        ("llm-compressor GPTQ NVFP4A16, default exclusions", "NVFP4A16", "llmc-nvfp4a16"),
-        ("llm-compressor GPTQ NVFP4, default exclusions, W4A4", "NVFP4", "llmc-nvfp4"),
-    ):
-        out = args.out / f"peer-{folder}"
+    base_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
+    base_args += ["--max-len", str(args.max_len)]
+    against = {
+        export: (len(ours), base_args + (["--ignore", *kept] if kept else []))
+        for export, ours, kept in (("gptq", ours_gptq, kept_regexes), ("nvfp4", ours_nvfp4, kept_nvfp4))
+    }
+    venvs = {"llmc": args.llmc_venv, "gptqmodel": args.gptqmodel_venv, "autoround": args.autoround_venv}
 
-        def build_nvfp4_peer(scheme=scheme, out=out) -> tuple[torch.nn.Module, dict]:
-            info = run_peer("llmcompressor_gptq.py", args.llmc_venv, [*nvfp4_args, "--scheme", scheme], out,
-                            "setup_llmcompressor.sh")  # fmt: skip
+    def peer_build(peer: str, out: Path, export: str, extra: list[str]) -> Callable[[], tuple[torch.nn.Module, dict]]:
+        def build() -> tuple[torch.nn.Module, dict]:
+            expected, peer_args = against[export]
+            info = run_peer(RUNNERS[peer][0], venvs[peer], peer_args + extra, out, RUNNERS[peer][1])
             if "error" in info:
                 raise RuntimeError(json.dumps({k: info[k] for k in ("error", "where") if k in info}))
-            info["same_linears_as_salaquant"] = info.get("quantized_linears") == len(ours_nvfp4)
+            info["same_linears_as_salaquant"] = info.get("quantized_linears") == expected
             net = load_model(out)
             if (out / "input_scales.json").exists():
                 net = fp4_activations(net, json.loads((out / "input_scales.json").read_text()))
             return net, info
 
-        record(label, "llm-compressor", build_nvfp4_peer)
+        return build
+
+    for label, peer, folder, export, extra in PEERS:
+        if peer == "autoround" and args.autoround_iters is not None:  # not AutoRound's default: said in the row
+            label, extra = f"{label} ({args.autoround_iters} iters)", [*extra, "--iters", str(args.autoround_iters)]
+        record(label, RUNNERS[peer][2], peer_build(peer, args.out / f"peer-{folder}", export, extra))
 
     base = rows[0]["ppl"]
     for r in rows:
@@ -391,7 +393,8 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     if ours is not None and rtn is not None:
         verdict = "met" if ours <= 0.5 * rtn else "missed"
         out.append(f"GPTQ ppl increase {100 * ours:.2f}% vs 50% of RTN's {100 * rtn:.2f}%: {verdict}")
-    for peer in ("llm-compressor GPTQ W4A16", "llm-compressor GPTQ W4A16 + SmoothQuant", "GPTQModel GPTQ W4A16"):
+    gptq_peers = [label for label, *_, export, _ in PEERS if export == "gptq"]
+    for peer in (r["variant"] for r in rows if any(r["variant"].startswith(label) for label in gptq_peers)):
         theirs = _inc(rows, peer)
         if ours is not None and theirs is not None:
             out.append(f"GPTQ {100 * ours:.2f}% vs {peer} {100 * theirs:.2f}%: {'met' if ours < theirs else 'missed'}")

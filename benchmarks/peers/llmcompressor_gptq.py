@@ -23,18 +23,25 @@ step and the llm-compressor / compressed-tensors frame where it happened (exit s
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as metadata
 import json
-import shutil
 import sys
 import time
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from peer_common import (
+    Step,
+    calibration_samples,
+    forward_check,
+    levels_per_group,
+    load_hf_model,
+    module_or_none,
+    read_source,
+    version,
+    write_checkpoint,
+)
+from peer_common import failure_record as _failure_record
 
 SCHEMES: dict[str, tuple[int, int, str]] = {
     "W4A16": (128, 16, "int4 symmetric, group 128"),
@@ -43,13 +50,6 @@ SCHEMES: dict[str, tuple[int, int, str]] = {
 }
 """Scheme -> (inputs per group, most distinct values in one, description): E2M1 has 15 values (+-0 are one)."""
 IGNORE = ["lm_head"]
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
-)
 # Module frames of these packages are the ones "where" points at on failure.
 PEER_PACKAGES = ("llmcompressor", "compressed_tensors", "transformers", "salaquant")
 
@@ -70,25 +70,6 @@ SALA_SMOOTHQUANT_MAPPINGS: list[list[Any]] = [
     ],
     [["re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"], "re:.*post_attention_layernorm$"],
 ]
-
-
-class Step:
-    """The step in progress, named in the failure record."""
-
-    def __init__(self) -> None:
-        self.name = "start"
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        self.name = name
-        yield
-
-
-def version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,37 +107,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------- steps
 
 
-def load_hf_model(path: Path, attention_mode: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    import salaquant.model.hf  # noqa: F401  (registers model_type minicpm_sala)
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    model.eval()
-    model.attention_mode = attention_mode
-    return model
-
-
 def calibration_dataset(model_path: Path, calib: str, max_samples: int, max_len: int) -> tuple[Any, Any, dict]:
     """The tokenizer, a ``datasets.Dataset`` with one ``input_ids`` row per salaquant calibration sample,
     and the salaquant summary (samples, tokens, fingerprint)."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
 
-    from salaquant.calibration.calib_data import CalibOptions, load_calibration
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = load_calibration([calib], tokenizer, CalibOptions(max_samples=max_samples, max_len=max_len))
-    rows = [s.ids.tolist() for s in data]
+    tokenizer, samples, info = calibration_samples(model_path, calib, max_samples, max_len)
+    rows = [s.tolist() for s in samples]
     dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
-    summary = data.summary()
-    info = {
-        "samples": summary["samples"],
-        "tokens": summary["tokens"],
-        "min_len": summary["min_len"],
-        "max_len": summary["max_len"],
-        "fingerprint": data.fingerprint(),
-    }
     return tokenizer, dataset, info
 
 
@@ -220,14 +178,6 @@ def dequantized_weight(module: torch.nn.Module) -> torch.Tensor:
     return forward_quantize(module, weight, "weight", args).float()
 
 
-def levels_per_group(w: torch.Tensor, group_size: int) -> int:
-    """The largest number of distinct values in one row over one group of ``group_size`` inputs."""
-    out_features, in_features = w.shape
-    groups = w.reshape(out_features, in_features // group_size, group_size)
-    ordered = groups.sort(dim=-1).values
-    return int(((ordered[..., 1:] != ordered[..., :-1]).sum(-1) + 1).max())
-
-
 def smoothing_factors(source: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], linear: str):
     """Per-input-channel factor the smoothing multiplied ``linear``'s weight by (None when not smoothed):
     the ratio of the source norm weight to the smoothed one, for the linears read after a norm."""
@@ -259,15 +209,11 @@ def export(
 ) -> tuple[dict[str, Any], list[str], dict[str, torch.Tensor]]:
     """Write config, tokenizer and ``model.safetensors`` (source names, bf16); return the check figures,
     the names of the source linears kept in bf16 and the written tensors."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     group_size, max_allowed, _ = SCHEMES[scheme]
     quantized = quantized_linears(model)
     if not quantized:
         raise RuntimeError("oneshot left no module with a quantization_scheme: nothing was quantized")
-    with safe_open(str(source_dir / "model.safetensors"), framework="pt") as f:
-        source = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+    source = read_source(source_dir)
     state = {name: t.detach() for name, t in model.state_dict().items()}
 
     tensors: dict[str, torch.Tensor] = {}
@@ -308,24 +254,13 @@ def export(
         raise RuntimeError(f"{worst}: {max_levels} distinct values in a group of {group_size} ({scheme} allows "
                            f"{max_allowed})")  # fmt: skip
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((source_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for fname in TOKENIZER_FILES:
-        if (source_dir / fname).is_file():
-            shutil.copy2(source_dir / fname, out / fname)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    scales = input_scales(model)
-    if scales:  # W4A4: what the activations are quantized with, for the scorer's FP4 activation emulation
-        (out / "input_scales.json").write_text(json.dumps(scales, indent=2) + "\n")
-    (out / "model.safetensors").chmod(0o644)
+    write_checkpoint(source_dir, out, tensors, input_scales(model))
 
     kept = sorted(
         n.removesuffix(".weight")
         for n in source
         if n.endswith(".weight")
-        and isinstance(_module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
+        and isinstance(module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
         and n.removesuffix(".weight") not in quantized
     )
     errors = [m["rel_error"] for m in per_module.values()]
@@ -340,68 +275,12 @@ def export(
     return checks, kept, tensors
 
 
-def _module_or_none(model: Any, name: str) -> torch.nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
-@torch.no_grad()
-def forward_check(model: Any, source: Path, out: Path, ids: torch.Tensor, attention_mode: str) -> dict[str, float]:
-    """The written checkpoint against llm-compressor's in-memory quantized model on one calibration prefix: the
-    largest |logit| difference (weight-only schemes: the same computation, so near zero) and, for W4A4, the mean
-    KL(source || each) with the written model's linears quantizing their inputs by ``input_scales.json`` and
-    salaquant's NVFP4 activation quantizer (what the scorer runs; it rounds in fp32 as the FP4 GEMM's quantizer
-    does, where compressed-tensors' fake quantization rounds in the activations' bf16, so single tokens differ and
-    the comparable figure is the KL)."""
-    from salaquant.formats.modelopt_nvfp4.numerics import quantize_activations
-
-    written = load_hf_model(out, attention_mode)
-    scales_file = out / "input_scales.json"
-    scales = json.loads(scales_file.read_text()) if scales_file.exists() else {}
-    for name, scale in scales.items():
-        s = torch.tensor(scale, dtype=torch.float32)
-        written.get_submodule(name).register_forward_pre_hook(
-            lambda _m, args, s=s: (quantize_activations(args[0], s).to(args[0].dtype), *args[1:])
-        )
-    a = model(ids[None], attention_mode=attention_mode).logits.float()
-    b = written(ids[None], attention_mode=attention_mode).logits.float()
-    result = {"max_abs_logit_diff": float((a - b).abs().max())}
-    if scales:
-        ref = load_hf_model(source, attention_mode)(ids[None], attention_mode=attention_mode).logits.float()
-        lp = ref.log_softmax(-1)
-        for key, logits in (("kl_in_memory", a), ("kl_written_emulated", b)):
-            result[key] = float((lp.exp() * (lp - logits.log_softmax(-1))).sum(-1).mean())
-    return result
-
-
 # --------------------------------------------------------------------------------------------- main
 
 
 def failure_record(exc: BaseException, step: str) -> dict[str, Any]:
-    frames = traceback.extract_tb(exc.__traceback__)
-    peer = [f for f in frames if any(f"/{p}/" in f.filename for p in PEER_PACKAGES[:3])]
-    frame = peer[-1] if peer else (frames[-1] if frames else None)
-    where = step
-    if frame is not None:
-        where += f": {frame.name} ({_short_path(frame.filename)}:{frame.lineno})"
-    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {
-        "tool": "llm-compressor",
-        "version": version("llmcompressor"),
-        "error": f"{type(exc).__name__}: {exc}",
-        "where": where,
-        "traceback_tail": tail[-6000:],
-    }
-
-
-def _short_path(filename: str) -> str:
-    if "site-packages/" in filename:
-        return filename.split("site-packages/", 1)[1]
-    if "/salaquant/" in filename:
-        return "salaquant/" + filename.split("/salaquant/", 1)[1]
-    return filename
+    """peer.json of a failed run, pointing at the llm-compressor / compressed-tensors / transformers frame."""
+    return _failure_record(exc, step, "llm-compressor", "llmcompressor", PEER_PACKAGES[:3])
 
 
 def main(argv: list[str] | None = None) -> int:
