@@ -70,6 +70,7 @@ from peer_common import (
     levels_per_group,
     load_hf_model,
     module_or_none,
+    peer_arguments,
     read_source,
     version,
     write_checkpoint,
@@ -92,12 +93,7 @@ PEER_PACKAGES = ("auto_round", "transformers", "accelerate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="source SALA checkpoint folder (bf16)")
-    ap.add_argument("--calib", type=str, required=True, help="calibration source (as salaquant --calib)")
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = peer_arguments(__doc__)
     ap.add_argument(
         "--scheme", default="W4A16", help=f"{', '.join(SCHEMES)} (see above) or another AutoRound preset name"
     )
@@ -108,19 +104,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tuning steps per block (AutoRound's default 200; 0: its round-to-nearest mode)",
     )
     ap.add_argument("--lr", type=float, default=None, help="learning rate (AutoRound's default: 1 / iters)")
-    ap.add_argument(
-        "--attention-mode",
-        choices=("dense", "auto", "sparse"),
-        default="dense",
-        help="attention of the minicpm4 layers during calibration (salaquant calibrates with dense)",
-    )
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    ap.add_argument(
-        "--ignore",
-        nargs="*",
-        default=[],
-        help="module-name regexes kept in bf16 (besides lm_head), e.g. to match the linears another tool keeps",
-    )
     return ap.parse_args(argv)
 
 

@@ -37,6 +37,7 @@ from peer_common import (
     levels_per_group,
     load_hf_model,
     module_or_none,
+    peer_arguments,
     read_source,
     version,
     write_checkpoint,
@@ -73,12 +74,7 @@ SALA_SMOOTHQUANT_MAPPINGS: list[list[Any]] = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="source SALA checkpoint folder (bf16)")
-    ap.add_argument("--calib", type=str, required=True, help="calibration source (as salaquant --calib)")
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = peer_arguments(__doc__)
     ap.add_argument("--smoothquant", action="store_true", help="run SmoothQuantModifier before GPTQ")
     ap.add_argument("--scheme", choices=tuple(SCHEMES), default="W4A16", help="llm-compressor's preset scheme")
     ap.add_argument(
@@ -87,19 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="sequential",
         help="llm-compressor calibration pipeline: 'sequential' (one oneshot; every modifier gets its own "
         "layer-by-layer pass) or 'basic' (whole-model passes; one oneshot per modifier)",
-    )
-    ap.add_argument(
-        "--attention-mode",
-        choices=("dense", "auto", "sparse"),
-        default="dense",
-        help="attention of the minicpm4 layers during calibration (salaquant calibrates with dense)",
-    )
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    ap.add_argument(
-        "--ignore",
-        nargs="*",
-        default=[],
-        help="module-name regexes kept in bf16 (besides lm_head), e.g. to match the linears another tool keeps",
     )
     return ap.parse_args(argv)
 

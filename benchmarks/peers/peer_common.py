@@ -8,6 +8,7 @@ Each runner runs as ``python benchmarks/peers/NAME.py`` inside its peer's virtua
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as metadata
 import json
 import shutil
@@ -186,3 +187,28 @@ def short_path(filename: str) -> str:
     if "/salaquant/" in filename:
         return "salaquant/" + filename.split("/salaquant/", 1)[1]
     return filename
+
+
+def peer_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options every runner takes: the source, the calibration samples (as salaquant reads them), the output,
+    the minicpm4 layers' attention while calibrating, torch threads and the linears kept in bf16."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="source SALA checkpoint folder (bf16)")
+    ap.add_argument("--calib", type=str, required=True, help="calibration source (as salaquant --calib)")
+    ap.add_argument("--max-samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--attention-mode",
+        choices=("dense", "auto", "sparse"),
+        default="dense",
+        help="attention of the minicpm4 layers during calibration (salaquant calibrates with dense)",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument(
+        "--ignore",
+        nargs="*",
+        default=[],
+        help="module-name regexes kept in bf16 (besides lm_head), e.g. to match the linears another tool keeps",
+    )
+    return ap
