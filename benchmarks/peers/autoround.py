@@ -67,12 +67,13 @@ from peer_common import (
     calibration_samples,
     failure_record,
     forward_check,
+    kept_linears,
     levels_per_group,
     load_hf_model,
-    module_or_none,
     peer_arguments,
     read_source,
     version,
+    weight_errors,
     write_checkpoint,
 )
 
@@ -255,27 +256,16 @@ def export(model: Any, source_dir: Path, out: Path) -> tuple[dict[str, Any], dic
                 raise RuntimeError(f"{name}: model tensor {list(t.shape)} != source {list(ref.shape)}")
             tensors[name] = t.to(ref.dtype).clone().contiguous()
             unchanged_max_abs = max(unchanged_max_abs, float((tensors[name].float() - ref.float()).abs().max()))
-    missing = sorted(set(quantized) - {n.removesuffix(".weight") for n in source})
-    if missing:
-        raise RuntimeError(f"quantized modules with no weight in the source checkpoint: {missing}")
+    kept = kept_linears(model, source, quantized)
     scales = input_scales(quantized)
     write_checkpoint(source_dir, out, tensors, scales)
 
-    kept = sorted(
-        n.removesuffix(".weight")
-        for n in source
-        if n.endswith(".weight")
-        and isinstance(module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
-        and n.removesuffix(".weight") not in quantized
-    )
-    errors = [m["rel_error"] for m in per_module.values()]
     checks = {
         "quantized_linears": len(quantized),
         "kept_bf16": kept,
         "activation_scales": len(scales),
         "max_levels_per_group": max(int(m["levels"]) for m in per_module.values()),
-        "weight_rel_error_mean": sum(errors) / len(errors),
-        "weight_rel_error_max": max(errors),
+        **weight_errors(per_module),
         "other_tensors_max_abs_change": unchanged_max_abs,
         "per_module": per_module,
     }

@@ -34,12 +34,13 @@ from peer_common import (
     Step,
     calibration_samples,
     forward_check,
+    kept_linears,
     levels_per_group,
     load_hf_model,
-    module_or_none,
     peer_arguments,
     read_source,
     version,
+    weight_errors,
     write_checkpoint,
 )
 from peer_common import failure_record as _failure_record
@@ -229,9 +230,7 @@ def export(
             if tuple(t.shape) != tuple(ref.shape):
                 raise RuntimeError(f"{name}: model tensor {list(t.shape)} != source {list(ref.shape)}")
             tensors[name] = t.to(ref.dtype).clone().contiguous()
-    missing = sorted(set(quantized) - {n.removesuffix(".weight") for n in source})
-    if missing:
-        raise RuntimeError(f"quantized modules with no weight in the source checkpoint: {missing}")
+    kept = kept_linears(model, source, quantized)
     if max_levels > max_allowed:
         worst = max(per_module, key=lambda n: per_module[n]["levels"])
         raise RuntimeError(f"{worst}: {max_levels} distinct values in a group of {group_size} ({scheme} allows "
@@ -239,19 +238,10 @@ def export(
 
     write_checkpoint(source_dir, out, tensors, input_scales(model))
 
-    kept = sorted(
-        n.removesuffix(".weight")
-        for n in source
-        if n.endswith(".weight")
-        and isinstance(module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
-        and n.removesuffix(".weight") not in quantized
-    )
-    errors = [m["rel_error"] for m in per_module.values()]
     checks = {
         "quantized_linears": len(quantized),
         "max_levels_per_group": max_levels,
-        "weight_rel_error_mean": sum(errors) / len(errors),
-        "weight_rel_error_max": max(errors),
+        **weight_errors(per_module),
         "stored_vs_dequantized_max_abs": max(m["stored_vs_dequantized_max_abs"] for m in per_module.values()),
         "per_module": per_module,
     }

@@ -212,3 +212,23 @@ def peer_arguments(doc: str | None) -> argparse.ArgumentParser:
         help="module-name regexes kept in bf16 (besides lm_head), e.g. to match the linears another tool keeps",
     )
     return ap
+
+
+def kept_linears(model: Any, source: dict[str, torch.Tensor], quantized: dict[str, Any]) -> list[str]:
+    """The source's linears the peer left unquantized; refuses a quantized module without a source weight."""
+    missing = sorted(set(quantized) - {n.removesuffix(".weight") for n in source})
+    if missing:
+        raise RuntimeError(f"quantized modules with no weight in the source checkpoint: {missing}")
+    return sorted(
+        n.removesuffix(".weight")
+        for n in source
+        if n.endswith(".weight")
+        and isinstance(module_or_none(model, n.removesuffix(".weight")), torch.nn.Linear)
+        and n.removesuffix(".weight") not in quantized
+    )
+
+
+def weight_errors(per_module: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Mean and largest relative weight error over the quantized modules."""
+    errors = [m["rel_error"] for m in per_module.values()]
+    return {"weight_rel_error_mean": sum(errors) / len(errors), "weight_rel_error_max": max(errors)}
