@@ -150,3 +150,7 @@ def test_form_choice() -> None:
         simple_gla(q, k, v, G_GAMMA, SCALE, s0, form="chunk", chunk_size=0)
     with pytest.raises(ValueError, match="chunks of 64, not 32"):
         simple_gla(q, k, v, G_GAMMA, SCALE, s0, backend="triton", chunk_size=32)
+    # the forced form decides the path, not the length: 5 tokens forced to the chunk form meet the Triton chunk rule
+    short = [t[:, :5] for t in (q, k, v)]
+    with pytest.raises(ValueError, match="chunks of 64, not 32"):
+        simple_gla(*short, G_GAMMA, SCALE, s0, backend="triton", chunk_size=32, form="chunk")
