@@ -59,6 +59,19 @@ def shape_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def quality_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a sala-tiny quality measurement: ``--out``, the calibration set (``--max-samples`` samples
+    of at most ``--max-len`` tokens) and the held-out windows (``--windows`` of ``--window-len`` tokens), with
+    ``benchmarks/quality.py``'s defaults, so that studies score on its data; the description is ``doc``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--max-samples", type=int, default=32)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window-len", type=int, default=1024)
+    return ap
+
+
 def work_flops(cfg: SalaConfig, lengths: list[int], hessian: bool) -> dict[str, float]:
     """FLOPs of the forward pass plus the X^T X products for the given sample lengths (one pass)."""
     linear = attn = hess = 0.0

@@ -30,7 +30,6 @@ short samples (seconds; what the tests run). ``--only`` runs the rows whose name
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import CALIB, ROOT, TINY, fp4_activations, quiet
+from common import CALIB, ROOT, TINY, fp4_activations, quality_parser, quiet
 from rich.console import Console
 from rich.table import Table
 
@@ -235,12 +234,7 @@ def _score(reference: torch.nn.Module, model: torch.nn.Module, wins: list[torch.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--window-len", type=int, default=1024)
+    ap = quality_parser(__doc__)
     ap.add_argument("--llmc-venv", type=Path)
     ap.add_argument("--gptqmodel-venv", type=Path)
     ap.add_argument("--autoround-venv", type=Path)

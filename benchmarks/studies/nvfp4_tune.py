@@ -16,7 +16,6 @@ windows, against the export before tuning.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -27,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import CALIB, TINY, fp4_activations, quiet
+from common import CALIB, TINY, fp4_activations, quality_parser, quiet
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.driver import run_method
@@ -199,12 +198,7 @@ def tune(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--window-len", type=int, default=1024)
+    ap = quality_parser(__doc__)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--batch", type=int, default=4)

@@ -12,7 +12,6 @@ left is the activations' error (the two errors add, to first order, when they ar
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import CALIB, TINY, fp4_activations
+from common import CALIB, TINY, fp4_activations, quality_parser
 
 from salaquant.calibration.calib_data import CalibOptions, load_calibration
 from salaquant.eval.data import load_eval_text
@@ -53,12 +52,7 @@ def calibrated_amax(model: torch.nn.Module, names: set[str], samples: list[torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--max-samples", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--window-len", type=int, default=1024)
+    ap = quality_parser(__doc__)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
