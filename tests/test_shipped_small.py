@@ -26,7 +26,7 @@ try:
 finally:
     sys.path.pop(0)
 
-README_HELDOUT_PPL = 29.18  # the card's figure: sala-tiny's held-out text, first 16 x 1024 tokens, dense
+README_HELDOUT_PPL = 30.42  # the card's figure: sala-tiny's held-out text, first 16 x 1024 tokens, dense
 
 
 @pytest.fixture(scope="module")

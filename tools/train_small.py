@@ -89,13 +89,16 @@ class Stage:
 
 LONG_LENGTHS = "1024:1,2048:2,4096:3,8192:2,16384:2"
 SHORT_KINDS = "repeat:0.35,kv:0.35,multivalue:0.1,chain:0.1,common:0.05,frequent:0.05"
+MIXED_KINDS = "kv:0.3,multivalue:0.1,chain:0.25,common:0.1,frequent:0.1,repeat:0.15"
 RECIPE = (
     Stage("short", "512:1,1024:2,2048:2,4096:1", SHORT_KINDS, 0.2, 3e-3, 100, 65536, 0, 3488, 3488),
     Stage("long", LONG_LENGTHS, "", 0.2, 2e-3, 50, 131072, 1, 1585, 1526),
     Stage("copy", "512:1,1024:1", "repeat:1", 0.1, 2e-3, 50, 65536, 2, 3068, 3051),
+    Stage("mixed", "1024:1,2048:1,4096:2,8192:2,16384:2", MIXED_KINDS, 0.05, 1e-3, 30, 131072, 5, 1500, 965),
 )  # fmt: skip
-"""The shipped sala-small's curriculum: short mixed tasks from random weights, the long mix, then repeated spans
-alone (the copy circuit formed there within 200 steps, after two stages without it)."""
+"""The shipped sala-small's curriculum: short mixed tasks from random weights, the long mix, repeated spans alone
+(the copy circuit formed there within 200 steps, after two stages without it), then the long tasks again with the
+copy circuit in place (16K needles and several values; little language modelling, the corpus being nearly spent)."""
 
 
 class Batches(torch.utils.data.IterableDataset):
