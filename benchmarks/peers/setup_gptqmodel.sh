@@ -17,8 +17,8 @@ set -euo pipefail
 
 GPTQMODEL_VERSION=${GPTQMODEL_VERSION:-7.7.0}
 TORCH_VERSION=2.13.0
-# shellcheck source=benchmarks/peers/cpu_torch_venv.sh
-source "$(dirname "${BASH_SOURCE[0]}")/cpu_torch_venv.sh" "$@"
+# shellcheck source=benchmarks/peers/peer_venv.sh
+source "$(dirname "${BASH_SOURCE[0]}")/peer_venv.sh" "$@"
 
 # 2. GPTQModel and its declared requirements (torch excluded, see above). No extension is built at install
 # time; the CPU quantization path (GPTQ on torch) needs none of its CUDA kernels.
