@@ -5,7 +5,7 @@ Times are medians over CUDA-graph replays of one call per weight copy (4 copies,
 rather than L2): this is how a decode step runs in a server, without the Python launch cost. ``*_eager_us`` are
 medians of ``triton.testing.do_bench`` on single eager calls, launch cost included. ``ours`` is ``w4a16_matmul``
 (the path it picks for M is named); the other Triton paths that apply to M are timed too (``alt``), which is what
-``DEQUANT_MIN_M`` and the launch settings are tuned from.
+``TILED_MAX_M`` and the launch settings are tuned from.
 
   python benchmarks/kernels_w4a16.py --out OUT   (OUT a folder, or a .json file)
 """
@@ -74,7 +74,7 @@ def _auto_path(m: int, n: int) -> str:
         return "paired"
     if m <= 16:
         return "mma_rows"  # 4-bit codes, bf16 rows and groups of 128, as timed here
-    return "tiled" if m < tk.DEQUANT_MIN_M and tk._tiled_fills(m, n, torch.device(DEVICE)) else "dequant+mm"
+    return "tiled" if m <= tk.TILED_MAX_M else "dequant+mm"
 
 
 def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
@@ -111,6 +111,7 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP), rep)
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
+        alt["tiled_unsplit"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, split_k=1), rep)
 
         def dequant_mm(i: int) -> torch.Tensor:
             return x @ tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).t()
@@ -168,7 +169,7 @@ def main() -> None:
         "triton": triton.__version__,
         "group_size": GROUP,
         "weight_copies": WEIGHT_COPIES,
-        "dequant_min_m": tk.DEQUANT_MIN_M,
+        "tiled_max_m": tk.TILED_MAX_M,
         "rows": rows,
     }
     write_results(args.out, "kernels_w4a16.json", res)

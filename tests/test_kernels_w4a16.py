@@ -89,13 +89,10 @@ def test_triton_8bit(m: int) -> None:
         (1, 64, 4, "paired"),  # 4-bit codes, an fp16 row
         (16, 64, 4, "mma_rows"),  # 4-bit codes, fp16 activations, one group of K = 128
         (2, 64, 4, "mma_rows"),
-        (17, 512, 4, "tiled"),  # 1 x 4 tiles of 128 x 128 on 4 SMs
-        (17, 384, 4, "dequantize"),  # 3 tiles
-        (300, 256, 4, "tiled"),  # 3 x 2
-        (300, 128, 4, "dequantize"),  # 3 x 1
-        (128, 32768, 132, "tiled"),  # the H200 figures in _tiled_fills: gate_up 256 tiles
-        (128, 12288, 132, "dequantize"),  # lightning qkv: 96
-        (1024, 64, 4, "dequantize"),  # DEQUANT_MIN_M
+        (17, 512, 4, "tiled"),
+        (17, 384, 4, "tiled"),  # fewer output tiles than SMs: split along K, still the tiled kernel
+        (128, 128, 4, "tiled"),  # TILED_MAX_M
+        (129, 64, 4, "dequantize"),
     ],
 )
 def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, sms: int, path: str) -> None:
@@ -151,15 +148,16 @@ def _variants():
         ("gemv", cfg({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4), 1),
         ("gemv", cfg({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4), 2),
         ("gemv", cfg({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4), 2),
-        ("tiled", cfg({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "EXPAND": False}, num_warps=4), None),
-        ("tiled", cfg({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "EXPAND": True}, num_warps=4), None),
+        ("tiled", cfg({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "EXPAND": False}, num_warps=4), 1),
+        ("tiled", cfg({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "EXPAND": True}, num_warps=4), 5),  # 4 of 3 tiles
+        ("tiled", cfg({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "EXPAND": True}, num_warps=4), 2),  # K % 256
         ("tiled", cfg({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "EXPAND": False}, num_warps=4), None),
     ]
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
-@pytest.mark.parametrize("variant", range(6))
+@pytest.mark.parametrize("variant", range(7))
 def test_kernel_variants(variant: int, group_size: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
@@ -170,7 +168,7 @@ def test_kernel_variants(variant: int, group_size: int) -> None:
     x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
     out = _poisoned(m, n, torch.float16)
     if name == "tiled":
-        y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=out, config=config)
+        y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=out, config=config, split_k=split_k)
     else:
         y = tk.matmul_gemv(x, qweight, scales, 4, group_size, out=out, split_k=split_k, config=config)
     ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
@@ -334,3 +332,21 @@ def test_flat_8bit_and_bad_arguments() -> None:
     x17, qweight, scales = _operands(0, 17, 256, 64, 4, 128, torch.float16)
     with pytest.raises(ValueError, match="1 to 16"):
         tk.matmul_flat(x17, qweight, scales)
+
+
+@pytest.mark.parametrize(
+    ("tiles", "k_tiles", "sms", "split_k", "want"),
+    [
+        (32, 64, 132, None, 4),  # SALA o_proj at 64 rows: 32 tiles of 64 x 128, K 4096 in tiles of 64
+        (256, 64, 132, None, 1),  # gate_up: the output tiles alone fill the SMs
+        (1, 100, 132, None, 15),  # 16 wanted, 4+ K tiles each; 16 splits of 7 leave 15 non-empty
+        (2, 6, 4, None, 1),  # fewer than 2 x 4 K tiles: not split
+        (1, 8, 4, None, 2),
+        (3, 12, 132, 5, 4),  # an explicit split, realised as 4 splits of 3 tiles
+        (3, 2, 132, 8, 2),  # never more splits than K tiles
+    ],
+)
+def test_tiled_split(tiles: int, k_tiles: int, sms: int, split_k: int | None, want: int) -> None:
+    from salaquant.kernels.w4a16.triton_kernels import _tiled_split
+
+    assert _tiled_split(tiles, k_tiles, sms, split_k) == want

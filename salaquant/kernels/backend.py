@@ -21,9 +21,9 @@ __all__ = ["BACKENDS", "DEQUANT_MIN_M", "check_backend", "use_triton"]
 BACKENDS = ("auto", "triton", "reference")
 
 DEQUANT_MIN_M = 1024
-"""From this many activation rows on, the 4-bit matrix families' Triton path dequantizes the weight once into the
-activation dtype and multiplies with cuBLAS: the product is compute-bound there, and the dequantization a few
-percent of it."""
+"""From this many activation rows on, the NVFP4 Triton path dequantizes the weight once into the activation dtype and
+multiplies with cuBLAS: the product is compute-bound there, and the dequantization a few percent of it. (W4A16's
+tiled kernel hands over sooner, at ``w4a16.TILED_MAX_M``.)"""
 
 
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None

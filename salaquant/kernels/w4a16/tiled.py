@@ -1,4 +1,6 @@
-"""The tiled W4A16 GEMM for 16 < M < ``DEQUANT_MIN_M`` (``matmul_tiled``): output tiles over the whole K.
+"""The tiled W4A16 GEMM for 16 < M <= ``TILED_MAX_M`` (``matmul_tiled``): output tiles, each over the whole K or,
+where the output tiles alone leave SMs idle, over one split of K (``../split_k.py``: axis 1 of the grid enumerates
+the splits, the last split of a tile to arrive sums the partials).
 
 Scale modes, fixed at compile time: ``GROUP_SIZE <= 0`` means one group (scaled once at the end); a multiple
 of ``BLOCK_K`` means one scale row per K tile; otherwise one scale row per word row (``GROUP_SIZE`` is a
@@ -10,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..split_k import k_slice, store_split_k
 from ..tile_order import grouped_tile
 from .autotune import INTERPRET, bench, config
 
@@ -49,6 +52,8 @@ def tiled_kernel(
     w_ptr,
     s_ptr,
     y_ptr,
+    part_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -91,7 +96,9 @@ def tiled_kernel(
     if ONE_GROUP:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first, last = k_slice(K, BLOCK_K)
+    for kt in range(first, last):
+        k0 = kt * BLOCK_K
         kk = k0 + offs_k
         mask_k = kk < K
         a = tl.load(x_ptr + rows_m * stride_xm + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -112,5 +119,4 @@ def tiled_kernel(
             s = tl.load(s_ptr + (kk // GROUP_SIZE)[:, None] * N + offs_n[None, :], mask=s_mask, other=0.0)
             s = s.to(tl.float32)
         acc = tl.dot(a, (w * s).to(dtype), acc, input_precision=DOT_PRECISION)
-    y_ptrs = y_ptr + rows_m * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_split_k(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)

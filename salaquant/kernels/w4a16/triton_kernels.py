@@ -15,12 +15,12 @@ fix-up in ``../split_k.py``); this module sizes the grids and workspaces and pic
   the programs fill one wave of the GPU.
 * ``2 <= M <= 16`` otherwise (8-bit codes, fp32 activations), ``flat`` (``matmul_flat``): split-K over short
   unrolled runs of K tiles, ``tl.dot`` on a 16-row activation tile.
-* ``16 < M < DEQUANT_MIN_M``, ``tiled`` (``matmul_tiled``): output tiles over the whole K, each weight tile
-  dequantized to the activation dtype for one ``tl.dot``; only where its 128 x 128 output tiles are at least as
-  many as the GPU's SMs (``_tiled_fills``): each tile runs the whole K in one program, so with fewer tiles most SMs
-  idle and the next path is faster.
-* ``M >= DEQUANT_MIN_M``, or fewer tiles than SMs: the weight is dequantized once to the activation dtype
-  (``dequantize``) and the product runs in ``torch.matmul``.
+* ``16 < M <= TILED_MAX_M``, ``tiled`` (``matmul_tiled``): output tiles, each weight tile dequantized to the
+  activation dtype for one ``tl.dot``; where the output tiles are fewer than the GPU's SMs, K is split among
+  programs (``_tiled_split``) so that the packed weight is still read once, by every SM.
+* ``M > TILED_MAX_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
+  runs in ``torch.matmul`` (from there the tiled kernel's dequantization, repeated for each row tile, costs more
+  than one whole-weight pass).
 
 The ``gemv`` and ``tiled`` launch configurations are autotuned per shape on first use (a few hundred ms per
 shape): run each shape once before capturing a CUDA graph.
@@ -32,7 +32,6 @@ import torch
 import triton
 from torch import Tensor
 
-from ..backend import DEQUANT_MIN_M
 from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
@@ -48,8 +47,8 @@ from .reference import check_operands
 from .tiled import tiled_kernel
 
 __all__ = [
-    "DEQUANT_MIN_M",
     "FLAT_CONFIG",
+    "TILED_MAX_M",
     "dequantize",
     "matmul",
     "matmul_flat",
@@ -74,12 +73,6 @@ other shape keeps the plain tile (0)."""
 _DECODE_WAVES = 4  # split-K aims at this many programs per SM
 _MIN_TILES_PER_SPLIT = 2  # and gives every program at least this many K tiles when it can
 _CPU_SMS = 4  # stands in for the SM count under the interpreter
-
-
-def _tiled_fills(m: int, n: int, device: torch.device) -> bool:
-    """Whether the tiled kernel has at least one 128 x 128 output tile per SM (else dequantize + ``torch.matmul``
-    is faster)."""
-    return cdiv(m, 128) * cdiv(n, 128) >= _sm_count(device)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -404,6 +397,25 @@ def matmul_flat(
     return y
 
 
+TILED_MAX_M = 128
+"""Rows up to which ``matmul`` takes the tiled kernel; above, dequantize + ``torch.matmul`` (``docs/kernels.md``)."""
+
+TILED_MIN_K_TILES = 4
+"""K tiles each split of ``matmul_tiled`` keeps at least (where K has them)."""
+
+
+def _tiled_split(tiles: int, k_tiles: int, sms: int, split_k: int | None) -> int:
+    """K splits of a ``matmul_tiled`` launch of ``tiles`` output tiles: ``split_k`` if given, else the largest power
+    of two that keeps the programs within one per SM and at least ``TILED_MIN_K_TILES`` K tiles per split (1 when
+    the output tiles fill the SMs), as the kernel realises it (whole tiles per split, none empty)."""
+    if split_k is None:
+        split_k = 1
+        while tiles * split_k * 2 <= sms and k_tiles >= 2 * split_k * TILED_MIN_K_TILES:
+            split_k *= 2
+    split_k = max(1, min(int(split_k), k_tiles))
+    return cdiv(k_tiles, cdiv(k_tiles, split_k))
+
+
 def matmul_tiled(
     x: Tensor,
     qweight: Tensor,
@@ -413,15 +425,30 @@ def matmul_tiled(
     *,
     out: Tensor | None = None,
     config: triton.Config | None = None,
+    split_k: int | None = None,
 ) -> Tensor:
-    """``x [M, K] @ W^T`` with the tiled kernel (weight tiles dequantized to ``x.dtype``, ``tl.dot``)."""
+    """``x [M, K] @ W^T`` with the tiled kernel (weight tiles dequantized to ``x.dtype``, ``tl.dot``), K split
+    where the output tiles are fewer than the SMs (``_tiled_split``; ``split_k`` overrides it)."""
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     y = _output(out, m, n, x)
     if m == 0:
         return y
+    if m * n >= 2**31:
+        raise ValueError(f"the tiled kernel uses 32-bit output offsets: M x N = {m} x {n} is too large")
     bucket = min(next_power_of_2(m), 4096)
-    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    sms = _sm_count(x.device)
+    configs = tiled_kernel.configs if config is None else [config]
+
+    def tiles(meta: dict) -> int:
+        return cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
+
+    def splits(meta: dict) -> int:
+        return _tiled_split(tiles(meta), cdiv(k, meta["BLOCK_K"]), sms, split_k)
+
+    part = _partials(x, max(splits(c.kwargs) for c in configs), m, n)
+    cnt = arrival_counters(x.device, max(tiles(c.kwargs) for c in configs))
+    grid = lambda meta: (tiles(meta), splits(meta))  # noqa: E731
     _run(
         tiled_kernel,
         config,
@@ -430,6 +457,8 @@ def matmul_tiled(
         qweight,
         scales,
         y,
+        part,
+        cnt,
         m,
         n,
         k,
@@ -489,7 +518,7 @@ def matmul(
         if _mma_rows_takes(x, bits, group_size, k):
             return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out)
         return matmul_flat(x, qweight, scales, bits, group_size, out=out)
-    if m < DEQUANT_MIN_M and _tiled_fills(m, qweight.shape[1], x.device):
+    if m <= TILED_MAX_M:
         return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
     x, qweight, scales, _, n, _ = _prepare(x, qweight, scales, bits, group_size)
     w = dequantize(qweight, scales, bits, group_size, dtype=x.dtype)
