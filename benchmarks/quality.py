@@ -11,7 +11,8 @@ perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreeme
 * ModelOpt NVFP4 fake-quant (``modelopt.torch.quantization``) on the same torch model, with exactly the linears
   salaquant's NVFP4 export quantizes: weight-only like the exports above (``W4A16_NVFP4_CFG``, and
   ``NVFP4_AWQ_LITE_CFG`` with its input quantizers off), and W4A4 (``NVFP4_DEFAULT_CFG`` and
-  ``NVFP4_AWQ_LITE_CFG`` as they are, input quantizers calibrated on the same samples);
+  ``NVFP4_AWQ_LITE_CFG`` as they are, input quantizers calibrated on the same samples); likewise its GPTQ and
+  Four-Over-Six configurations (``MODELOPT_METHODS``), which calibrate on a CUDA GPU and are scored on the CPU;
 * llm-compressor GPTQ W4A16 (with and without its SmoothQuant), GPTQModel GPTQ W4A16 and AutoRound W4A16, each run
   in its own virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``,
   ``--autoround-venv``) and told to keep the linears salaquant's GPTQ export keeps in bf16 (``--ignore``);
@@ -142,26 +143,72 @@ def _modelopt_on_cpu() -> str | None:
     return "NVFP4 fake quant on CPU through ModelOpt's NVFP4QTensor"
 
 
-def modelopt_nvfp4(
-    model: Path, samples: list[torch.Tensor], quantized: set[str], awq_lite: bool, w4a4: bool = False
-) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """ModelOpt's NVFP4 fake quantization of the same linears, calibrated on the same samples: weight-only, or with
-    its input quantizers on (``w4a4``)."""
+MODELOPT_METHODS = ("default", "AWQ-lite", "GPTQ", "Four-Over-Six")
+"""ModelOpt's NVFP4 configurations in the table: its max calibration (``W4A16_NVFP4_CFG`` / ``NVFP4_DEFAULT_CFG``),
+AWQ-lite (``NVFP4_AWQ_LITE_CFG``), GPTQ (its ``nvfp4_default-kv_none-gptq`` recipe: static weight block scales,
+``algorithm: gptq`` layer by layer) and Four-Over-Six (``NVFP4_FOUR_OVER_SIX_CFG``: each weight block's scale chosen
+by MSE between its amax and 1.5 times it). The last two run on CUDA only."""
+
+_CUDA_ONLY = {
+    "GPTQ": "ModelOpt's GPTQ fake-quantizes column by column (8 of 54 linears in 15 minutes on a 2-core CPU)",
+    "Four-Over-Six": "ModelOpt's Four-Over-Six block quantizer is a CUDA Triton kernel",
+}
+
+
+def _sala_layers_for_modelopt() -> None:
+    """Tell ModelOpt's layer-by-layer calibration where SALA's decoder layers are (it finds them only in
+    transformers models): the one step a user adding an architecture to ModelOpt takes."""
+    from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
+
+    from salaquant.model.modeling import SalaForCausalLM
+
+    LayerActivationCollector.register_decoder_layer_support(
+        lambda m: isinstance(m, SalaForCausalLM), lambda m: m.model.layers
+    )
+
+
+def _modelopt_config(mtq: Any, method: str, w4a4: bool) -> tuple[str, dict[str, Any]]:
+    """The named ModelOpt config of ``method`` (deep-copied), made weight-only unless ``w4a4``."""
     import copy
 
+    if method == "AWQ-lite":
+        name = "NVFP4_AWQ_LITE_CFG"
+    elif method == "Four-Over-Six":
+        name = "NVFP4_FOUR_OVER_SIX_CFG"
+    else:
+        name = "NVFP4_DEFAULT_CFG" if w4a4 else "W4A16_NVFP4_CFG"
+    cfg = copy.deepcopy(getattr(mtq, name))
+    if method == "GPTQ":  # the recipe: weight block scales static, GPTQ layer by layer
+        for entry in cfg["quant_cfg"]:
+            if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
+                entry["cfg"]["block_sizes"]["type"] = "static"
+        cfg["algorithm"] = {"method": "gptq", "layerwise": {"enable": True}}
+        name += " + GPTQ (layerwise)"
+    if not w4a4:
+        cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    return name, cfg
+
+
+def modelopt_nvfp4(
+    model: Path, samples: list[torch.Tensor], quantized: set[str], method: str, w4a4: bool = False
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """ModelOpt's NVFP4 fake quantization (``method``, one of ``MODELOPT_METHODS``) of the same linears, calibrated
+    on the same samples: weight-only, or with its input quantizers on (``w4a4``). The CUDA-only methods calibrate
+    on the GPU; their fake-quantized weights are then folded into the model, which is scored on the CPU like every
+    other row (its input quantizers, for W4A4, through ``_modelopt_on_cpu``)."""
     import modelopt
     import modelopt.torch.quantization as mtq
 
+    device = "cpu"
+    if method in _CUDA_ONLY:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"needs a CUDA GPU: {_CUDA_ONLY[method]}")
+        device = "cuda"
     note = _modelopt_on_cpu()
+    _sala_layers_for_modelopt()
 
-    net = load_model(model).float()  # fp32 master weights: the fake-quant error is then ModelOpt's alone
-    if w4a4:
-        cfg_name = "NVFP4_AWQ_LITE_CFG" if awq_lite else "NVFP4_DEFAULT_CFG"
-    else:
-        cfg_name = "NVFP4_AWQ_LITE_CFG" if awq_lite else "W4A16_NVFP4_CFG"
-    cfg = copy.deepcopy(getattr(mtq, cfg_name))
-    if not w4a4:
-        cfg["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})
+    net = load_model(model).float().to(device)  # fp32 master weights: the fake-quant error is then ModelOpt's alone
+    cfg_name, cfg = _modelopt_config(mtq, method, w4a4)
     linears = {n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     for name in sorted(linears - quantized):
         cfg["quant_cfg"].append({"quantizer_name": f"{name}.*", "enable": False})
@@ -169,10 +216,11 @@ def modelopt_nvfp4(
     def forward_loop(m: torch.nn.Module) -> None:
         with torch.no_grad():
             for ids in samples:
-                m(ids[None], attention_mode="dense")
+                m(ids[None].to(device), attention_mode="dense")
 
     t0 = time.perf_counter()
     net = mtq.quantize(net, cfg, forward_loop)
+    quantize_s = time.perf_counter() - t0
     enabled = sorted(
         n.removesuffix(".weight_quantizer")
         for n, m in net.named_modules()
@@ -181,13 +229,19 @@ def modelopt_nvfp4(
     inputs = sum(
         1 for n, m in net.named_modules() if n.endswith(".input_quantizer") and getattr(m, "is_enabled", False)
     )
+    if device != "cpu":
+        mtq.fold_weight(net)  # the weights as ModelOpt quantized them; scored on the CPU like the other rows
+        net = net.cpu()
+        note = f"calibrated on {torch.cuda.get_device_name()}, weights folded, scored on the CPU" + (
+            f"; {note}" if w4a4 else ""
+        )
     info = {
         "modelopt": modelopt.__version__,
         "config": cfg_name,
         "input_quantizers": f"{inputs} on (W4A4)" if w4a4 else "off (weight-only)",
         "quantized_linears": len(enabled),
         "same_linears_as_salaquant": set(enabled) == quantized,
-        "quantize_s": round(time.perf_counter() - t0, 1),
+        "quantize_s": round(quantize_s, 1),
         "note": note,
     }
     return net.eval(), info
@@ -316,10 +370,9 @@ def main() -> None:
         record(label, "salaquant", lambda p=path: (load(p, activations="fp4", kernels=False), {"path": str(p)}))
         quantized = nvfp4_quantized_linears(path)
         for w4a4 in (False, True):
-            for awq in (False, True):
-                label = f"ModelOpt NVFP4 {'AWQ-lite' if awq else 'default'}, {exclusions} exclusions"
-                label += ", W4A4" if w4a4 else ""
-                record(label, "ModelOpt", lambda q=quantized, a=awq, w=w4a4: modelopt_nvfp4(model, samples, q, a, w))
+            for method in MODELOPT_METHODS:
+                label = f"ModelOpt NVFP4 {method}, {exclusions} exclusions" + (", W4A4" if w4a4 else "")
+                record(label, "ModelOpt", lambda q=quantized, m=method, w=w4a4: modelopt_nvfp4(model, samples, q, m, w))
 
     # Each peer keeps the linears in bf16 that its salaquant export keeps (GPTQ: those gptq_marlin cannot serve; the
     # default NVFP4 export); a W4A4 export is scored with FP4 activations at its own scales (input_scales.json).
@@ -416,6 +469,22 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
                 f"NVFP4 W4A4 {exclusions}: {100 * mine_row['ppl_increase']:.2f}% KL {mine_row['kl']:.4f} vs ModelOpt "
                 f"{cfg} {100 * theirs_row['ppl_increase']:.2f}% KL {theirs_row['kl']:.4f}: {'met' if ok else 'missed'}"
             )
+    for exclusions, label in (
+        ("default", "salaquant NVFP4 default, GPTQ rounding (default)"),
+        ("dense-all", "salaquant NVFP4 dense-all, GPTQ rounding"),
+    ):
+        for suffix in ("", ", W4A4"):
+            mine_row = by_name.get(label + suffix)
+            peers = [r for r in by_name.values() if r["tool"] != "salaquant" and "NVFP4" in r["variant"]]
+            peers = [r for r in peers if f"{exclusions} exclusions" in r["variant"]]
+            peers = [r for r in peers if ("W4A4" in r["variant"]) == bool(suffix)]
+            for theirs_row in peers if mine_row else []:
+                ok = mine_row["ppl_increase"] < theirs_row["ppl_increase"] and mine_row["kl"] < theirs_row["kl"]
+                out.append(
+                    f"{label}{suffix}: {100 * mine_row['ppl_increase']:.2f}% KL {mine_row['kl']:.4f} vs "
+                    f"{theirs_row['variant']} {100 * theirs_row['ppl_increase']:.2f}% KL {theirs_row['kl']:.4f}: "
+                    f"{'met' if ok else 'missed'}"
+                )
     return out
 
 
