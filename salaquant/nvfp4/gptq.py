@@ -5,7 +5,8 @@ weight_scale_2``, exactly the format's rounding), and its error, weighted by the
 carried into the columns not yet rounded (Frantar et al.'s update, in blocks of ``block_size`` columns). The global
 scale is the caller's (shared across fused projections). Block scales are either given (chosen before the sweep,
 e.g. the block-scale search on the weight as it is: the same scales as round-to-nearest) or chosen per block as the
-sweep reaches it, from the columns as the earlier errors left them.
+sweep reaches it, from the columns as the earlier errors left them (on the GPU the search and the sweep of a block
+of columns share one launch, ``salaquant.kernels.gptq.nvfp4_sweep``).
 
 With a diagonal Hessian no error is carried and the result is round-to-nearest under the same scales, byte for byte.
 """
@@ -26,9 +27,9 @@ from ..formats.modelopt_nvfp4.numerics import (
     scalar_scale,
 )
 from ..gptq.solver import GPTQConfig, inverse_cholesky, row_weighted_errors
-from ..kernels.gptq import ColumnBlock, gptq_columns
+from ..kernels.gptq import ColumnBlock, gptq_columns, sweep_on_triton
 from ..settings import defaults
-from .search import search_block_scales
+from .search import fine_search, search_block_scales, shrink_factors
 
 __all__ = ["NVFP4GPTQResult", "gptq_nvfp4"]
 
@@ -107,6 +108,12 @@ def gptq_nvfp4(
             raise ValueError(f"block_scale: expected float8_e4m3fn {tuple(scale.shape)}, got {block_scale.dtype} "
                              f"{tuple(block_scale.shape)}")  # fmt: skip
         scale.copy_(block_scale)
+    elif tuple(imp.shape) != (n,) or not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
+        raise ValueError(f"importance: expected finite values >= 0 of shape ({n},), got {tuple(imp.shape)}")
+    factors = shrink_factors(mse_iters, mse_max_shrink) if mse_iters > 0 else [1.0]
+    fine = mse_iters > 0 and fine_search(factors, mse_max_shrink)
+    fused_ok = block_scale is None and float(s2) > 0  # the fused search divides by the global scale
+    factors_t = torch.tensor(factors, dtype=torch.float32, device=w.device)
     hinv, used_damp = inverse_cholesky(h, GPTQConfig(damp=damp, fp64=fp64))
     hinv = hinv.contiguous()  # row-major: the column sweep reads rows of it
     codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
@@ -117,6 +124,11 @@ def gptq_nvfp4(
         block = ColumnBlock(w1, codes[:, i1:i2], err1, hinv1, e2m1=True)
         if block_scale is not None:  # every column's step is known: one sweep over the block
             gptq_columns(block, _steps(scale, s2, i1, i2, dtype), 0, i2 - i1, backend)
+        elif fused_ok and sweep_on_triton(backend, w1):  # the search and the sweep in one launch
+            from ..kernels.gptq.nvfp4_sweep import gptq_nvfp4_search_triton
+
+            bits = scale[:, i1 // BLOCK : i2 // BLOCK].view(torch.uint8)
+            gptq_nvfp4_search_triton(block, bits, s2, imp[i1:i2], factors_t, fine)
         else:
             for b0 in range(0, i2 - i1, BLOCK):  # the block's columns as every earlier column's error left them
                 col = i1 + b0

@@ -22,7 +22,7 @@ from ..formats.modelopt_nvfp4.numerics import (
 )
 from ..settings import defaults
 
-__all__ = ["SearchResult", "search_block_scales", "shrink_factors"]
+__all__ = ["SearchResult", "fine_search", "search_block_scales", "shrink_factors"]
 
 _DEFAULTS = defaults("nvfp4")
 
@@ -48,6 +48,12 @@ def shrink_factors(iters: int, max_shrink: float) -> list[float]:
     if iters == 1:
         return [1.0]
     return [1.0 - max_shrink * t / (iters - 1) for t in range(iters)]
+
+
+def fine_search(factors: list[float], max_shrink: float) -> bool:
+    """Whether ``factors`` are fine enough that trying every FP8 value from the plain scale down to the smallest
+    factor's finds what trying every factor would (see ``search_block_scales``)."""
+    return len(factors) > 1 and max_shrink / (len(factors) - 1) <= (1.0 - max_shrink) / 16
 
 
 def search_block_scales(
@@ -82,8 +88,7 @@ def search_block_scales(
     s2 = scalar_scale(weight_scale_2, w.device)
     wb = weight_blocks(w)
     raw = raw_block_scales(wb.abs().amax(dim=-1), s2)
-    fine = len(factors) > 1 and max_shrink / (len(factors) - 1) <= (1.0 - max_shrink) / 16
-    if fine:
+    if fine_search(factors, max_shrink):
         best_bits, best_err, plain_err = _search_fp8_values(wb, raw, imp, s2, factors[-1])
     else:
         best_bits, best_err, plain_err = _search_factors(wb, raw, imp, s2, factors)

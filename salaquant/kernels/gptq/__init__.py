@@ -1,5 +1,6 @@
-"""GPTQ on the GPU: the column sweep of one block of columns (one Triton launch per block) and the clipped-scale
-search of one group (every candidate scored in registers, the weights read once).
+"""GPTQ on the GPU: the column sweep of one block of columns (one Triton launch per block; for NVFP4 also with
+each 16-column block's scale searched in the same launch, ``nvfp4_sweep``) and the clipped-scale search of one
+group (every candidate scored in registers, the weights read once).
 
 ``gptq_columns`` and ``best_scale`` dispatch between the Triton kernels (``triton_kernels``, imported on first
 use) and the PyTorch references (``reference``) by ``backend`` as ``salaquant.kernels.backend.use_triton`` decides
@@ -16,7 +17,15 @@ from ..backend import BACKENDS, use_triton
 from .block import ColumnBlock
 from .reference import best_scale_reference, gptq_columns_reference
 
-__all__ = ["BACKENDS", "ColumnBlock", "best_scale", "best_scale_reference", "gptq_columns", "gptq_columns_reference"]
+__all__ = [
+    "BACKENDS",
+    "ColumnBlock",
+    "best_scale",
+    "best_scale_reference",
+    "gptq_columns",
+    "gptq_columns_reference",
+    "sweep_on_triton",
+]
 
 MAX_COLUMNS = 256
 """Widest block the column-sweep kernel takes (its tile lives in registers); ``auto`` uses the reference beyond."""
@@ -31,6 +40,11 @@ def _use_triton(backend: str, w: torch.Tensor, max_columns: int) -> bool:
     if triton and w.dtype != torch.float32:
         raise ValueError(f"the Triton backend computes in float32, got {w.dtype}")
     return triton
+
+
+def sweep_on_triton(backend: str, w1: torch.Tensor) -> bool:
+    """Whether the column sweep of ``w1`` runs the Triton kernels under ``backend`` (``gptq_columns``'s rule)."""
+    return _use_triton(backend, w1, MAX_COLUMNS)
 
 
 def gptq_columns(block: ColumnBlock, scale: torch.Tensor, start: int, stop: int, backend: str = "auto") -> None:
