@@ -1,17 +1,35 @@
 """The statistics hooks of one decoder layer: forward pre-hooks on the first member of each input group feed the
-`GroupStats` of the current leaf of samples (the engine sums the leaves in a fixed tree)."""
+`GroupStats` of the current leaf of samples (the engine sums the leaves in a fixed tree). Where the statistics
+pass drops the layer's outputs, ``last_product_skipped`` spares it the layer's last product."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from ..model.layout import InputGroup
+from ..model.layout import LAST_LINEAR, InputGroup
 from ..model.modeling import DecoderLayer
 from .contract import EngineOptions
 from .stats import GroupStats, LayerStats
 
-__all__ = ["GroupCollector"]
+__all__ = ["GroupCollector", "last_product_skipped"]
+
+
+@contextmanager
+def last_product_skipped(layer: DecoderLayer) -> Iterator[None]:
+    """Within the block the layer's last linear (``LAST_LINEAR``) returns zeros instead of its product: for a pass
+    whose layer outputs nobody reads. Its forward pre-hooks still run on its real input (the linear is called as
+    before), so the statistics are those of the full forward; only the outputs are wrong, and dropped."""
+    module = layer.get_submodule(LAST_LINEAR)
+    assert isinstance(module, nn.Linear)
+    module.forward = lambda x: x.new_zeros((*x.shape[:-1], module.out_features))  # shadows the class's forward
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 class GroupCollector:

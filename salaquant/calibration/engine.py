@@ -23,6 +23,7 @@ two swap roles from layer to layer.)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -51,7 +52,7 @@ from ..model.modeling import DecoderLayer, layer_rope
 from ..runtime.load import use_layer_kernels
 from . import host_memory
 from .calib_data import samples_fingerprint
-from .collector import GroupCollector
+from .collector import GroupCollector, last_product_skipped
 from .contract import EngineOptions, EngineResult, LayerQuantizer, LayerResult, Observer
 from .distributed import (
     SINGLE,
@@ -411,14 +412,17 @@ class CalibrationEngine:
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
         tree: TreeSum[LayerStats] = TreeSum(_merge_by_name)
-        for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (salaquant.calibration.shards)
-            for j in rows:
-                self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
+        with contextlib.ExitStack() as stack:
+            if float_out is None:  # the outputs are dropped: the layer's last product is not needed
+                stack.enter_context(last_product_skipped(layer))
+            for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (calibration.shards)
+                for j in rows:
+                    self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
+                    if collector is not None:
+                        collector.end_sample()
+                    progress.sample_done(j, hs[j].shape[1])
                 if collector is not None:
-                    collector.end_sample()
-                progress.sample_done(j, hs[j].shape[1])
-            if collector is not None:
-                tree.push(collector.next_leaf())
+                    tree.push(collector.next_leaf())
         self._sync()
         stats: LayerStats = {}
         if collector is not None:

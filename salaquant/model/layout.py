@@ -60,6 +60,11 @@ def layer_linears(config: SalaConfig, kind: str) -> list[LinearSpec]:
     return attn + mlp
 
 
+LAST_LINEAR = "mlp.down_proj"
+"""The decoder layer's last product, in both mixer kinds: its output only enters the layer's residual sum, so a
+pass that drops the layer's output needs its input but not its product."""
+
+
 def layer_norms(config: SalaConfig, kind: str) -> dict[str, int]:
     """Norm weights of one decoder layer (relative name -> size)."""
     h = config.hidden_size
