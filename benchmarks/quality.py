@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--gptqmodel-venv", type=Path)
     ap.add_argument("--autoround-venv", type=Path)
     ap.add_argument("--autoround-iters", type=int, help="AutoRound's tuning steps per block (default: its 200)")
+    ap.add_argument("--autoround-lr", type=float, help="AutoRound's learning rate (default: its 1 / iters)")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
     ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
     args = ap.parse_args()
@@ -404,6 +405,8 @@ def main() -> None:
     for label, peer, folder, export, extra in PEERS:
         if peer == "autoround" and args.autoround_iters is not None:  # not AutoRound's default: said in the row
             label, extra = f"{label} ({args.autoround_iters} iters)", [*extra, "--iters", str(args.autoround_iters)]
+        if peer == "autoround" and args.autoround_lr is not None:
+            label, extra = f"{label} (lr {args.autoround_lr:g})", [*extra, "--lr", str(args.autoround_lr)]
         record(label, RUNNERS[peer][2], peer_build(peer, args.out / f"peer-{folder}", export, extra))
 
     base = rows[0]["ppl"]
