@@ -157,10 +157,10 @@ def default_config(
     2 to ``ROWS_MAX_M`` fp16/bf16 rows of a weight with at least ``ROWS_MIN_N`` outputs (K a multiple of 128): the
     ``mma.sync`` row kernel, ``MMA_ROWS_CONFIG``, split to at most 4 programs per SM.
 
-    Other decode (M <= 16): 16 x 64 x 128 tiles, 4 warps, no software pipelining, so that several programs share
-    an SM and their loads overlap; split-K up to 4 programs per SM. Prefill: 64-, 128- or 256-row tiles (more rows
-    per dequantized weight tile), 8 warps, 3 stages, split-K up to one program per SM (``benchmarks/kernels_nvfp4.py
-    --sweep`` times the alternatives).
+    Other decode (M <= 16) and batches up to 64 rows: 16 x 64 x 128 (64 x 64 x 128) tiles, 4 warps, no software
+    pipelining, so that several programs share an SM and their loads overlap; split-K up to 4 programs per SM.
+    Larger batches and prefill: 128- or 256-row tiles (more rows per dequantized weight tile), 8 warps, 3 stages,
+    split-K up to one program per SM (``benchmarks/kernels_nvfp4.py --sweep`` times the alternatives).
     """
     dev = torch.device(device)
     sms = _programs_target(dev)
@@ -173,7 +173,7 @@ def default_config(
     if m <= 16:
         bm, bn, bk, warps, stages, target, min_k = 16, 64, 128, 4, 1, 4 * sms, 2
     elif m <= 64:
-        bm, bn, bk, warps, stages, target, min_k = 64, 128, 128, 8, 3, sms, 4
+        bm, bn, bk, warps, stages, target, min_k = 64, 64, 128, 4, 1, 4 * sms, 2
     elif m <= 512:
         bm, bn, bk, warps, stages, target, min_k = 128, 128, 64, 8, 3, sms, 4
     else:
