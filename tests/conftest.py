@@ -16,9 +16,12 @@ if not torch.cuda.is_available():
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 
 # Under pytest-xdist each worker takes one core of its own: torch's default of one thread per core in every
-# worker would oversubscribe the machine (the CPU suite runs as `pytest -n 2`).
+# worker would oversubscribe the machine (the CPU suite runs as `pytest -n 2`). The processes a test starts (the
+# commands, torchrun) inherit the limit through OMP_NUM_THREADS: with two OpenMP threads each beside the other
+# worker, the spinning threads made one export fixture 7x slower on a 2-core machine (758 s against 109 s).
 if os.environ.get("PYTEST_XDIST_WORKER") and (os.cpu_count() or 1) <= int(os.environ["PYTEST_XDIST_WORKER_COUNT"]):
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
