@@ -24,8 +24,10 @@ from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 from triton.testing import do_bench, do_bench_cudagraph
 
 from salaquant.kernels.backend import DEQUANT_MIN_M
+from salaquant.kernels.mma_rows import MAX_ROWS
 from salaquant.kernels.nvfp4 import nvfp4_matmul, nvfp4_matmul_reference
 from salaquant.kernels.nvfp4 import triton_kernels as tk
+from salaquant.kernels.nvfp4.tuning import MMA_ROWS_CONFIG, ROWS_MAX_M, _rows_split
 
 DEVICE = "cuda"
 DOT_TILES: tuple[tuple[int | None, int, int, int, int, int], ...] = (
@@ -171,6 +173,13 @@ def _bench_case(name: str, k: int, n: int, m: int, sweep: bool) -> dict[str, obj
             row[f"{path}_error"] = fail
     y = nvfp4_matmul(x, *copies[0])  # the dispatch takes the path named auto_path
     row["auto_max_rel_err"] = float((y.float() - ref).abs().max()) / scale
+    if ROWS_MAX_M < m <= MAX_ROWS:  # the row kernel past the rows the default gives it (its default launch)
+        block_n = 16 * MMA_ROWS_CONFIG["tiles"] * MMA_ROWS_CONFIG["num_warps"]
+        rows = tk.NVFP4Config(
+            "rows", block_n=block_n, split_k=_rows_split(n, k, block_n, x.device),
+            num_warps=MMA_ROWS_CONFIG["num_warps"], num_stages=1,
+        )  # fmt: skip
+        row["rows_us"] = _time_us([lambda c=c: tk.nvfp4_matmul_triton(x, *c, config=rows) for c in copies])
     if m <= 16 and row["auto_path"] == "triton":  # the same launches with programmatic dependent launch
         fns = [lambda c=c: tk.nvfp4_matmul_triton(x, *c, pdl=True) for c in copies]
         row["triton_pdl_us"] = _time_us(fns)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 
+from salaquant.kernels.mma_rows import MAX_ROWS
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
 
@@ -109,6 +110,15 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["gemv"] = _time_us(lambda i: tk.matmul_gemv(x, qweight[i], scales[i], 4, GROUP), rep)
     if 1 < m <= 16:  # the flat kernel, which 8-bit codes and fp32 activations take
         alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP), rep)
+    if 16 < m <= MAX_ROWS:  # the row kernel past 16 rows (2 to 8 row groups), at its default launch and two others
+        alt["mma_rows"] = _time_us(lambda i: tk.matmul_mma_rows(x, qweight[i], scales[i], 4, GROUP), rep)
+        for tiles, warps in ((2, 4), (1, 8)):
+            alt[f"mma_rows_t{tiles}w{warps}"] = _time_us(
+                lambda i, t=tiles, w=warps: tk.matmul_mma_rows(
+                    x, qweight[i], scales[i], 4, GROUP, tiles=t, num_warps=w
+                ),
+                rep,
+            )
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
         alt["tiled_unsplit"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, split_k=1), rep)

@@ -1,5 +1,5 @@
 """The 4-bit kernel for few rows on ``mma.sync`` (``salaquant/kernels/mma_rows.py``; ``matmul_mma_rows`` for GPTQ,
-1-16 rows, ``NVFP4Config("rows")`` for NVFP4, 1-8 rows): its MMA emulation against the fragment layout of the PTX ISA,
+``NVFP4Config("rows")`` for NVFP4, 1-64 rows): its MMA emulation against the fragment layout of the PTX ISA,
 the kernel against the PyTorch references under the Triton interpreter, and on a GPU the PTX against the emulation
 and the references at SALA shapes (CUDA only)."""
 
@@ -116,14 +116,17 @@ def test_emulated_mma_follows_the_ptx_fragments(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, expected[w], rtol=1e-6, atol=1e-6, msg=lambda s, msg=msg: f"{msg}: {s}")
 
 
-# (M, K, N, group, dtype, tiles, warps, splits): one and two pairs of MMAs, every group kind, partial column tiles,
-# groups split unevenly (5 groups of 64 over 3 splits), and the default launch (4 tiles, 4 warps)
+# (M, K, N, group, dtype, tiles, warps, splits): 1, 2, 4 and 8 row groups (partly filled ones too), every group
+# kind, partial column tiles, groups split unevenly (5 groups of 64 over 3 splits), and the default launch (4 tiles,
+# 4 warps)
 CASES = [
     (1, 256, 48, 128, torch.bfloat16, 1, 1, 2),
     (5, 320, 80, 64, torch.float16, 2, 2, 3),
     (9, 256, 40, 32, torch.bfloat16, 1, 2, 1),
     (16, 256, 72, -1, torch.float16, 2, 1, 2),
     (16, 256, 256, 128, torch.bfloat16, 4, 4, 1),
+    (27, 256, 40, 128, torch.bfloat16, 1, 2, 2),
+    (64, 128, 48, 32, torch.float16, 1, 1, 1),
 ]
 
 
@@ -162,21 +165,21 @@ def test_mma_rows_refuses_what_it_cannot_run() -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
     x, qweight, scales = _operands(0, 4, 256, 64, 128, torch.float16)
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
         tk.matmul_mma_rows(x.float(), qweight, scales)
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
-        tk.matmul_mma_rows(torch.zeros(17, 256, dtype=torch.float16), qweight, scales)
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
+        tk.matmul_mma_rows(torch.zeros(65, 256, dtype=torch.float16), qweight, scales)
     x16, qweight16, scales16 = _operands(0, 4, 256, 64, 16, torch.float16)
     with pytest.raises(ValueError, match="groups of a multiple of 32"):
         tk.matmul_mma_rows(x16, qweight16, scales16, 4, 16)
-    with pytest.raises(ValueError, match="1 to 16 fp16/bf16 rows"):
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
         tk.matmul_mma_rows(x, torch.zeros(64, 64, dtype=torch.int32), scales, 8, 128)
     with pytest.raises(ValueError, match="power of two"):
         tk.matmul_mma_rows(x, qweight, scales, tiles=3)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 @pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
 def test_gpu_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> None:
     """The PTX on the tensor cores against the emulation of the same fragments on the same GPU (equal up to the
@@ -222,6 +225,8 @@ NVFP4_CASES = [
     (1, 256, 48, torch.bfloat16, 1, 1, 2),
     (7, 384, 80, torch.float16, 2, 2, 3),
     (8, 256, 64, torch.bfloat16, 2, 2, 1),
+    (20, 256, 48, torch.float16, 1, 2, 2),
+    (64, 128, 32, torch.bfloat16, 1, 2, 1),
 ]
 
 
@@ -248,10 +253,10 @@ def test_nvfp4_mma_rows_refuses_what_it_cannot_run() -> None:
 
     x, weight, scale, s2 = _nvfp4_operands(0, 2, 256, 32, torch.float16)
     cfg = _rows(32, 256)
-    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
         nk.nvfp4_matmul_triton(x.float(), weight, scale, s2, config=cfg)
-    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
-        nk.nvfp4_matmul_triton(torch.zeros(9, 256, dtype=torch.float16), weight, scale, s2, config=cfg)
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
+        nk.nvfp4_matmul_triton(torch.zeros(65, 256, dtype=torch.float16), weight, scale, s2, config=cfg)
     x96, weight96, scale96, s296 = _nvfp4_operands(0, 2, 96, 32, torch.float16)
     with pytest.raises(ValueError, match="multiple of 128"):
         nk.nvfp4_matmul_triton(x96, weight96, scale96, s296, config=cfg)
@@ -290,7 +295,7 @@ def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
     y = nk.nvfp4_matmul_triton(x, weight, scale, s2, config=cfg, out=out)
     assert y is out
     _nvfp4_bound_check(y, x, weight, scale, s2, f"seed={seed} rows config")
-    with pytest.raises(ValueError, match="1 to 8 fp16/bf16 rows"):
+    with pytest.raises(ValueError, match="1 to 64 fp16/bf16 rows"):
         nk.nvfp4_matmul_triton(x.float(), weight, scale, s2, config=cfg)
     for m, n, k, dtype, kernel in (
         (2, 32768, 4096, torch.bfloat16, "rows"),  # gate_up
@@ -304,7 +309,7 @@ def test_nvfp4_matmul_runs_the_row_kernel_by_config_and_default() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8])
+@pytest.mark.parametrize("m", [2, 8, 32, 64])
 @pytest.mark.parametrize("shape", [(4096, 32768), (16384, 4096)], ids=["gate_up", "down"])
 def test_gpu_nvfp4_mma_rows_ptx_matches_emulation(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], m: int):
     """NVFP4: the PTX against its emulation on the same GPU and both within the bound of the reference, at the

@@ -1,4 +1,4 @@
-"""4-bit weights (GPTQ int4 or NVFP4) for 1 to 16 activation rows on ``mma.sync`` tensor-core instructions fed
+"""4-bit weights (GPTQ int4 or NVFP4) for 1 to 64 activation rows on ``mma.sync`` tensor-core instructions fed
 straight from registers.
 
 Tensor cores take their operands in fixed per-lane fragments. Triton chooses where tensor elements live, so this
@@ -14,8 +14,9 @@ for any K indices as long as the A and B sides agree, so lane ``4 g + q`` takes 
 (``int4_pairs``, ``e2m1_pairs``) turn a word into the fp16 pairs ``(c_j, c_{j+4})`` for
 ``j = 0..3``, exactly the activation pairs ``(x[8 r + j], x[8 r + j + 4])`` of the one-row kernels, so slot pair
 ``(2q, 2q+1)`` of step ``s`` is ``(c_{2s}, c_{2s+4})`` and ``(2q+8, 2q+9)`` is ``(c_{2s+1}, c_{2s+5})``. Two steps
-use a word's eight codes; for GPTQ a second pair of MMAs takes activation rows 8-15 when there are more than 8
-(NVFP4 runs the kernel for at most 8 rows).
+use a word's eight codes. The rows come in groups of 8 (``ROW_GROUPS``: 1, 2, 4 or 8 of them, up to 64 rows): the
+words are dequantized once per round (``_dequant_block_ptx``) and each row group's pair of MMAs
+(``_mma_pair_ptx``) takes the same A registers with its own activations and accumulators.
 
 A warp owns ``16 * TILES`` columns. GPTQ (``[K / 8, N]`` words): each MMA accumulates one group's products (fp32,
 C chained), which are then scaled by the group's column scales into the output accumulators. With bf16 activations
@@ -60,7 +61,20 @@ from .paired_f16 import (
 )
 from .split_k import finish_split_k
 
-__all__ = ["check_launch", "emulated_mma", "mma_rows_kernel"]
+__all__ = ["MAX_ROWS", "check_launch", "emulated_mma", "mma_rows_kernel", "row_groups"]
+
+MAX_ROWS = 64
+"""The most activation rows one launch takes (8 groups of 8)."""
+
+
+def row_groups(m: int) -> int:
+    """``ROW_GROUPS`` for ``m`` rows: the groups of 8 they fill, rounded up to a power of two (1, 2, 4 or 8)."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the mma kernel takes 1 to {MAX_ROWS} rows, got {m}")
+    groups = 1
+    while 8 * groups < m:
+        groups *= 2
+    return groups
 
 
 def check_launch(tiles: int, num_warps: int) -> int:
@@ -99,50 +113,57 @@ def _dequant_bf16_ptx(word: str, out: str, k: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _round_ptx(two: bool, fp4: bool, bf16: bool = False) -> str:
-    """One round of one column tile: the words of columns g and g + 8, four MMAs (two without ``two``).
+_A_REGS = ("g0", "g1", "g2", "g3", "h0", "h1", "h2", "h3")
 
-    Operands: outputs ``$0..$3`` (rows 0-7) [and ``$4..$7`` (rows 8-15)], then the two words, the activation pairs
-    of row g [and of row g + 8], the accumulators in the same order, and the seven GPTQ dequantization constants
-    (or, with ``fp4``, the block scale pairs of columns g and g + 8). With ``bf16`` (GPTQ only) the codes become
-    bf16 ``c - 8`` and the MMA takes bf16 operands: the activations as they are."""
-    n_out = 8 if two else 4
-    wg, wh = f"${n_out}", f"${n_out + 1}"
-    p = [f"${n_out + 2 + i}" for i in range(4)]
-    q = [f"${n_out + 6 + i}" for i in range(4)] if two else []
-    c0 = n_out + 2 + (8 if two else 4)
-    acc = [f"${c0 + i}" for i in range(n_out)]
-    k = [f"${c0 + n_out + i}" for i in range(2 if fp4 else 7)]
-    # the accumulators go through registers of the block's own, so no output can overwrite an input still unread
-    lines = ["{", ".reg .b32 q8, t, u, g0, g1, g2, g3, h0, h1, h2, h3;", f".reg .f32 e<{n_out}>;"]
-    lines += [f"mov.f32 e{i}, {a};" for i, a in enumerate(acc)]
+
+def _dequant_block_ptx(fp4: bool, bf16: bool) -> str:
+    """One dequantization: the words ``$8`` (column g) and ``$9`` (column g + 8) to the eight A fragment pairs
+    ``$0..$7`` = ``g0..g3, h0..h3`` (``g_j``: pair ``j`` of column g's word), which every activation row group's MMAs
+    then share. Operands after the words: the seven GPTQ dequantization constants or, with ``fp4``, the block scale
+    pairs of columns g and g + 8. With ``bf16`` (GPTQ only) the codes become bf16 ``c - 8``. The outputs are
+    written last, from registers of the block's own, so none can overwrite an input still unread."""
+    k = [f"${10 + i}" for i in range(2 if fp4 else 7)]
+    lines = ["{", ".reg .b32 q8, t, u, " + ", ".join(_A_REGS) + ";"]
     if fp4:
-        lines.append(E2M1_PAIRS_PTX.format(w=wg, a="g", s=k[0]) + E2M1_PAIRS_PTX.format(w=wh, a="h", s=k[1]))
+        lines.append(E2M1_PAIRS_PTX.format(w="$8", a="g", s=k[0]) + E2M1_PAIRS_PTX.format(w="$9", a="h", s=k[1]))
     elif bf16:
-        lines.append(_dequant_bf16_ptx(wg, "g", k) + _dequant_bf16_ptx(wh, "h", k))
+        lines.append(_dequant_bf16_ptx("$8", "g", k) + _dequant_bf16_ptx("$9", "h", k))
     else:
-        lines.append(_dequant_ptx(wg, "g", k) + _dequant_ptx(wh, "h", k))
-    kind = "bf16" if bf16 else "f16"
-    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
-    for half_rows, pairs in ((0, p), (1, q)) if two else ((0, p),):
-        e = "{" + ", ".join(f"e{4 * half_rows + i}" for i in range(4)) + "}"
-        lines.append(f"{mma} {e}, {{g0, h0, g1, h1}}, {{{pairs[0]}, {pairs[1]}}}, {e};")
-        lines.append(f"{mma} {e}, {{g2, h2, g3, h3}}, {{{pairs[2]}, {pairs[3]}}}, {e};")
-    lines += [f"mov.f32 ${i}, e{i};" for i in range(n_out)]
+        lines.append(_dequant_ptx("$8", "g", k) + _dequant_ptx("$9", "h", k))
+    lines += [f"mov.b32 ${i}, {r};" for i, r in enumerate(_A_REGS)]
     lines.append("}")
     return "\n".join(lines)
 
 
-def _constraints(two: bool, fp4: bool) -> str:
-    n = 8 if two else 4
-    return ",".join(["=f"] * n + ["r"] * (2 + (8 if two else 4)) + ["f"] * n + ["r"] * (2 if fp4 else 7))
+def _mma_pair_ptx(bf16: bool) -> str:
+    """Two MMAs (a word row round's two K steps) for one group of 8 activation rows: outputs ``$0..$3`` (fp32 C
+    fragment), then the A pairs ``$4..$11`` (``g0..g3, h0..h3`` of ``_dequant_block_ptx``), the activation pairs
+    ``$12..$15`` and the accumulators ``$16..$19``. With ``bf16`` the ``.bf16`` MMA."""
+    kind = "bf16" if bf16 else "f16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    e = "{e0, e1, e2, e3}"
+    lines = ["{", ".reg .f32 e<4>;"]
+    lines += [f"mov.f32 e{i}, ${16 + i};" for i in range(4)]
+    lines.append(f"{mma} {e}, {{$4, $8, $5, $9}}, {{$12, $13}}, {e};")
+    lines.append(f"{mma} {e}, {{$6, $10, $7, $11}}, {{$14, $15}}, {e};")
+    lines += [f"mov.f32 ${i}, e{i};" for i in range(4)]
+    lines.append("}")
+    return "\n".join(lines)
 
 
-# one PTX block and constraint string per case: GPTQ up to 8 rows or 16 ("TWO"), or NVFP4 ("FP4", up to 8 rows)
-PTX_ONE, CON_ONE = tl.constexpr(_round_ptx(False, False)), tl.constexpr(_constraints(False, False))
-PTX_TWO, CON_TWO = tl.constexpr(_round_ptx(True, False)), tl.constexpr(_constraints(True, False))
-PTX_FP4, CON_FP4 = tl.constexpr(_round_ptx(False, True)), tl.constexpr(_constraints(False, True))
-PTX_ONE_BF16, PTX_TWO_BF16 = tl.constexpr(_round_ptx(False, False, True)), tl.constexpr(_round_ptx(True, False, True))
+# the PTX blocks and their constraint strings: GPTQ's dequantization (fp16 or bf16 pairs), NVFP4's, the MMA pair
+PTX_DEQUANT, PTX_DEQUANT_BF16 = (
+    tl.constexpr(_dequant_block_ptx(False, False)),
+    tl.constexpr(_dequant_block_ptx(False, True)),
+)
+PTX_DEQUANT_FP4 = tl.constexpr(_dequant_block_ptx(True, False))
+CON_DEQUANT, CON_DEQUANT_FP4 = (
+    tl.constexpr(",".join(["=r"] * 8 + ["r"] * 9)),
+    tl.constexpr(",".join(["=r"] * 8 + ["r"] * 4)),
+)
+PTX_MMA, PTX_MMA_BF16 = tl.constexpr(_mma_pair_ptx(False)), tl.constexpr(_mma_pair_ptx(True))
+CON_MMA = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 12 + ["f"] * 4))
+_I32_8, _F32_4 = tl.constexpr((tl.int32,) * 8), tl.constexpr((tl.float32,) * 4)  # the blocks' output types
 _BF16_MASK, _BF16_MAGIC = i32(0x000F000F), i32(0x43004300)  # codes at bit 0 of each half; a pair of bf16 128.0
 _BF16_ONE, _BF16_MINUS136 = i32(0x3F803F80), i32(0xC308C308)  # pairs of bf16 1.0 and -136.0
 
@@ -262,58 +283,37 @@ def _fp4_pairs(words, scale):
 
 
 @triton.jit
-def _round(
-    wg,
-    wh,
-    sg,
-    sh,
-    p,
-    q,
-    acc,
-    TWO: tl.constexpr,
-    FP4: tl.constexpr,
-    MMA_BF16: tl.constexpr,
-    WARPS: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """One round of one column tile: ``acc`` (4 or 8 fp32 per thread) plus the products of the words ``wg`` and
-    ``wh`` (columns g and g + 8; NVFP4 block scale pairs ``sg``, ``sh``) with the activation pairs ``p`` (row g) and
-    ``q`` (row g + 8)."""
+def _dequant(wg, wh, sg, sh, FP4: tl.constexpr, MMA_BF16: tl.constexpr, ASM: tl.constexpr):
+    """The A fragment pairs ``g0..g3, h0..h3`` of the words ``wg`` and ``wh`` (columns g and g + 8; NVFP4 block
+    scale pairs ``sg``, ``sh``), as ``_dequant_block_ptx`` computes them."""
     if ASM:
-        f4: tl.constexpr = [tl.float32] * 4
-        f8: tl.constexpr = [tl.float32] * 8
         if FP4:
-            return tl.inline_asm_elementwise(PTX_FP4, CON_FP4, (wg, wh) + p + acc + (sg, sh), f4, True, 1)  # noqa: RUF005
-        elif MMA_BF16 and TWO:
-            consts = _bf16_constants(wg.shape)
-            return tl.inline_asm_elementwise(PTX_TWO_BF16, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
+            return tl.inline_asm_elementwise(PTX_DEQUANT_FP4, CON_DEQUANT_FP4, (wg, wh, sg, sh), _I32_8, True, 1)
         elif MMA_BF16:
             consts = _bf16_constants(wg.shape)
-            return tl.inline_asm_elementwise(PTX_ONE_BF16, CON_ONE, (wg, wh) + p + acc + consts, f4, True, 1)  # noqa: RUF005
-        elif TWO:
-            consts = dequant_constants(wg.shape)
-            return tl.inline_asm_elementwise(PTX_TWO, CON_TWO, (wg, wh) + p + q + acc + consts, f8, True, 1)  # noqa: RUF005
+            return tl.inline_asm_elementwise(PTX_DEQUANT_BF16, CON_DEQUANT, (wg, wh) + consts, _I32_8, True, 1)  # noqa: RUF005
         else:
             consts = dequant_constants(wg.shape)
-            return tl.inline_asm_elementwise(PTX_ONE, CON_ONE, (wg, wh) + p + acc + consts, f4, True, 1)  # noqa: RUF005
+            return tl.inline_asm_elementwise(PTX_DEQUANT, CON_DEQUANT, (wg, wh) + consts, _I32_8, True, 1)  # noqa: RUF005
     else:
         if FP4:
-            g0, g1, g2, g3 = _fp4_pairs(wg, sg)
-            h0, h1, h2, h3 = _fp4_pairs(wh, sh)
+            return _fp4_pairs(wg, sg) + _fp4_pairs(wh, sh)
         elif MMA_BF16:
-            g0, g1, g2, g3 = _bf16_codes(wg)
-            h0, h1, h2, h3 = _bf16_codes(wh)
+            return _bf16_codes(wg) + _bf16_codes(wh)
         else:
-            g0, g1, g2, g3 = emulated_pairs(wg)
-            h0, h1, h2, h3 = emulated_pairs(wh)
-        d = emulated_mma(g0, h0, g1, h1, p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS, MMA_BF16)
-        d = emulated_mma(g2, h2, g3, h3, p[2], p[3], d[0], d[1], d[2], d[3], WARPS, MMA_BF16)
-        if TWO:
-            e = emulated_mma(g0, h0, g1, h1, q[0], q[1], acc[4], acc[5], acc[6], acc[7], WARPS, MMA_BF16)
-            e = emulated_mma(g2, h2, g3, h3, q[2], q[3], e[0], e[1], e[2], e[3], WARPS, MMA_BF16)
-            return d + e
-        else:
-            return d
+            return emulated_pairs(wg) + emulated_pairs(wh)
+
+
+@triton.jit
+def _mma_pair(a, p, acc, MMA_BF16: tl.constexpr, WARPS: tl.constexpr, ASM: tl.constexpr):
+    """``acc`` (the 4 fp32 of one 8-row group's C fragment) plus the products of the A pairs ``a`` (``_dequant``)
+    with the activation pairs ``p`` of that row group (``_pairs``): a round's two MMAs."""
+    if ASM:
+        ptx: tl.constexpr = PTX_MMA_BF16 if MMA_BF16 else PTX_MMA
+        return tl.inline_asm_elementwise(ptx, CON_MMA, a + p + acc, _F32_4, True, 1)
+    else:
+        d = emulated_mma(a[0], a[4], a[1], a[5], p[0], p[1], acc[0], acc[1], acc[2], acc[3], WARPS, MMA_BF16)
+        return emulated_mma(a[2], a[6], a[3], a[7], p[2], p[3], d[0], d[1], d[2], d[3], WARPS, MMA_BF16)
 
 
 @triton.jit
@@ -398,23 +398,23 @@ def mma_rows_kernel(
     GROUP_SIZE: tl.constexpr,
     TILES: tl.constexpr,
     WARPS: tl.constexpr,
-    TWO: tl.constexpr,
+    ROW_GROUPS: tl.constexpr,
     FP4: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """``y [M <= 16, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module docstring);
-    grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a multiple of 32
-    (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a multiple of it),
-    ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``TWO`` (GPTQ only): more than 8 rows. With ``PDL``
-    (programmatic dependent launch) the program loads its first group's words while the kernel before it still
-    runs, waits for that kernel before reading the activations or writing anything, and lets the next kernel launch
-    after its main loop."""
+    """``y [M <= 8 ROW_GROUPS, N] = x @ W^T`` for 4-bit GPTQ words or, with ``FP4``, NVFP4 words (see the module
+    docstring); grid ``(cdiv(N, 16 * TILES * WARPS), splits)``, splits over whole groups. GPTQ: ``GROUP_SIZE`` a
+    multiple of 32 (or -1: one group, K a multiple of 128). NVFP4: ``GROUP_SIZE`` 128 (the unit of the loop; K a
+    multiple of it), ``s_ptr`` the scale bytes, ``gs_ptr`` the global scale. ``ROW_GROUPS``: groups of 8 rows (a
+    power of two up to 8). With ``PDL`` (programmatic dependent launch) the program loads its first group's words
+    while the kernel before it still runs, waits for that kernel before reading the activations or writing anything,
+    and lets the next kernel launch after its main loop."""
     ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
     GS: tl.constexpr = 128 if ONE_GROUP else GROUP_SIZE
     ROUNDS: tl.constexpr = GS // 32  # rounds of four word rows per group
-    NACC: tl.constexpr = 8 if TWO else 4
+    NACC: tl.constexpr = 4 * ROW_GROUPS
     MMA_BF16: tl.constexpr = BF16 and not FP4  # GPTQ with bf16 activations: bf16 MMA, codes as c - 8
     NW: tl.constexpr = 2 * TILES * ROUNDS  # words per thread and group (the scale bytes follow them with FP4)
     BLOCK_N: tl.constexpr = 16 * TILES * WARPS
@@ -453,16 +453,11 @@ def mma_rows_kernel(
             part = _zeros(NACC * TILES, WARPS)
         for r in tl.static_range(ROUNDS):
             wrow = (grp * ROUNDS + r) * 4 + q
-            p = _pairs(x_ptr, g, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, SCALED)
-            if TWO:  # noqa: SIM108 (a constexpr branch)
-                qp = _pairs(x_ptr, g + 8, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, SCALED)
-            else:
-                qp = p
+            xs = ()  # the activation pairs of rows g, g + 8, ...: four per row group
+            for j in tl.static_range(ROW_GROUPS):
+                xs = xs + _pairs(x_ptr, g + 8 * j, wrow, M, stride_xm, shift, BF16, MMA_BF16, ASM, SCALED)
             new = ()
             for t in tl.static_range(TILES):
-                sub = ()
-                for i in tl.static_range(NACC):
-                    sub = sub + (part[NACC * t + i],)  # noqa: RUF005
                 wg = loaded[2 * (TILES * r + t)]
                 wh = loaded[2 * (TILES * r + t) + 1]
                 if FP4:
@@ -471,13 +466,18 @@ def mma_rows_kernel(
                 else:  # unused
                     sg = wg
                     sh = wh
-                new = new + _round(wg, wh, sg, sh, p, qp, sub, TWO, FP4, MMA_BF16, WARPS, ASM)
+                a = _dequant(wg, wh, sg, sh, FP4, MMA_BF16, ASM)
+                for j in tl.static_range(ROW_GROUPS):
+                    p = (xs[4 * j], xs[4 * j + 1], xs[4 * j + 2], xs[4 * j + 3])
+                    sub = (part[NACC * t + 4 * j], part[NACC * t + 4 * j + 1], part[NACC * t + 4 * j + 2],
+                           part[NACC * t + 4 * j + 3])  # fmt: skip
+                    new = new + _mma_pair(a, p, sub, MMA_BF16, WARPS, ASM)
             part = new
         loaded = nxt
         if FP4:
             acc = part
         else:
-            # this group's products, scaled per column: accumulators 0, 1 (and 4, 5) are column g, the rest g + 8
+            # this group's products, scaled per column: accumulators i with i % 4 < 2 are column g, the rest g + 8
             scaled = ()
             for t in tl.static_range(TILES):
                 c = col + 16 * t
@@ -496,7 +496,7 @@ def mma_rows_kernel(
 
     if PDL:  # the main loop is done: the next kernel may launch
         gdc_launch_dependents()
-    # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2, column col + 16 t + 8 ((i % 4) // 2)
+    # accumulator i of tile t: row 8 (i // 4) + 2 q + i % 2 (row group i // 4), column col + 16 t + 8 ((i % 4) // 2)
     n_split = tl.num_programs(1)
     if SCALED:
         out_scale = tl.load(gs_ptr) * OUT_SHIFT * pow2(shift)
@@ -520,5 +520,5 @@ def mma_rows_kernel(
                 tl.store(part_ptr + (tl.program_id(1) * M + row) * N + c, v, mask=ok)
     if n_split > 1:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, 16)[:, None]
+        rows = tl.arange(0, 8 * ROW_GROUPS)[:, None]
         finish_split_k(y_ptr, part_ptr, cnt_ptr, rows, offs_n[None, :], M, N, stride_ym, tl.program_id(0), 1.0)

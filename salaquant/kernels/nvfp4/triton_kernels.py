@@ -31,7 +31,7 @@ from ..counters import arrival_counters
 from ..device import INTERPRET as _INTERPRET
 from ..device import pdl_launch
 from ..host import cdiv, pair_aligned
-from ..mma_rows import check_launch, mma_rows_kernel
+from ..mma_rows import MAX_ROWS, check_launch, mma_rows_kernel, row_groups
 from . import tuning
 from .dot_kernel import nvfp4_dequant_kernel, nvfp4_dot_kernel
 from .paired_gemv import nvfp4_paired_gemv_kernel
@@ -138,10 +138,12 @@ def nvfp4_matmul_triton(
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:
-    """``ValueError`` unless ``x [M, K]`` is 1 to 8 fp16/bf16 rows and K a multiple of 128 (the row kernel's
-    operands for NVFP4)."""
-    if x.shape[-1] != k or not 1 <= x.shape[0] <= 8 or x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the mma kernel takes 1 to 8 fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}")
+    """``ValueError`` unless ``x [M, K]`` is 1 to ``MAX_ROWS`` fp16/bf16 rows and K a multiple of 128 (the row
+    kernel's operands for NVFP4)."""
+    if x.shape[-1] != k or not 1 <= x.shape[0] <= MAX_ROWS or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"the mma kernel takes 1 to {MAX_ROWS} fp16/bf16 rows of {k} inputs, got {x.dtype} {list(x.shape)}"
+        )
     if k % 128:
         raise ValueError(f"the mma kernel takes K a multiple of 128, got {k}")
 
@@ -160,8 +162,8 @@ def _launch_rows(
         ws.fill_(float("nan"))  # a read of an unwritten partial shows in the result
     mma_rows_kernel[(n_tiles, split)](
         x, w, s, gs, out, ws, arrival_counters(x.device, n_tiles), m, n, k, x.stride(0), out.stride(0),
-        GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, TWO=False, FP4=True, BF16=x.dtype == torch.bfloat16,
-        ASM=not (_INTERPRET or emulate), num_warps=num_warps, num_stages=1,
+        GROUP_SIZE=128, TILES=tiles, WARPS=num_warps, ROW_GROUPS=row_groups(m), FP4=True,
+        BF16=x.dtype == torch.bfloat16, ASM=not (_INTERPRET or emulate), num_warps=num_warps, num_stages=1,
         **pdl_launch(x.device, pdl),
     )  # fmt: skip
 

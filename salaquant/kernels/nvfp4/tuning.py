@@ -59,7 +59,7 @@ class NVFP4Config:
 
     kernel: str = "dot"
     """``"dot"`` (tensor cores, any M), ``"paired"`` (paired fp16 arithmetic, ``paired_gemv``: one fp16/bf16
-    activation row) or ``"rows"`` (``mma.sync`` from registers, ``../mma_rows.py``: 1 to 8 fp16/bf16 rows, bf16 of
+    activation row) or ``"rows"`` (``mma.sync`` from registers, ``../mma_rows.py``: 1 to 64 fp16/bf16 rows, bf16 of
     any magnitude scaled into fp16's range per split where needed, K a multiple of 128; ``block_n`` = 16 x column
     tiles per warp x ``num_warps``, ``split_k`` in splits of 128 inputs)."""
     block_m: int = 16

@@ -9,10 +9,11 @@ fix-up in ``../split_k.py``); this module sizes the grids and workspaces and pic
   fp16 arithmetic, two weights per instruction; the rounding of each word's two 4-term sums to fp16 is its only
   departure from fp32 accumulation.
 * ``M == 1`` otherwise (8-bit codes, fp32 activations), ``gemv`` (``matmul_gemv``): CUDA-core split-K GEMV.
-* ``2 <= M <= 16`` with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32 dividing K (or one group,
-  K a multiple of 128: every GPTQ export of the project), ``mma_rows`` (``matmul_mma_rows``): ``mma.sync`` fed from
-  registers, the paired dequantization of ``paired``, fp32 products and sums, split-K over whole groups so that
-  the programs fill one wave of the GPU.
+* ``2 <= M <= MMA_ROWS_MAX_M`` (16) with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32
+  dividing K (or one group, K a multiple of 128: every GPTQ export of the project), ``mma_rows``
+  (``matmul_mma_rows``): ``mma.sync`` fed from registers, the paired dequantization of ``paired``, fp32 products and
+  sums, split-K over whole groups so that the programs fill one wave of the GPU. The kernel takes groups of 8 rows,
+  up to 64.
 * ``2 <= M <= 16`` otherwise (8-bit codes, fp32 activations), ``flat`` (``matmul_flat``): split-K over short
   unrolled runs of K tiles, ``tl.dot`` on a 16-row activation tile.
 * ``16 < M <= TILED_MAX_M``, ``tiled`` (``matmul_tiled``): output tiles, each weight tile dequantized to the
@@ -37,7 +38,7 @@ from ..device import INTERPRET as _INTERPRET
 from ..device import cuda_facts as _cuda_facts
 from ..device import pdl_launch, resident_programs
 from ..host import cdiv, next_power_of_2, pair_aligned, wave_split
-from ..mma_rows import check_launch, mma_rows_kernel
+from ..mma_rows import MAX_ROWS, check_launch, mma_rows_kernel, row_groups
 from .codes import MAGIC
 from .dequant_kernel import dequant_kernel
 from .flat import flat_kernel
@@ -48,6 +49,7 @@ from .tiled import tiled_kernel
 
 __all__ = [
     "FLAT_CONFIG",
+    "MMA_ROWS_MAX_M",
     "TILED_MAX_M",
     "dequantize",
     "matmul",
@@ -261,6 +263,12 @@ MMA_ROWS_CONFIG = {"tiles": 1, "num_warps": 4}
 ``_mma_rows_wave``."""
 
 
+MMA_ROWS_MAX_M = 16
+"""``matmul`` gives ``mma_rows`` 2 to this many rows. The kernel takes up to ``mma_rows.MAX_ROWS``; from 17 rows
+``benchmarks/kernels_w4a16.py`` times it against the tiled kernel, which has these rows until it is measured
+faster."""
+
+
 MMA_ROWS_CAP = 64
 """Registers per thread ``matmul_mma_rows`` may cap its 9-16-row build at (ptxas ``maxnreg``) where that lets its
 split hold half as many programs again in one wave: a few spilled bytes cost less than a second, mostly empty
@@ -274,10 +282,10 @@ them fit one wave, measured slower (``docs/kernels.md``)."""
 
 def _mma_rows_wave(args: tuple, meta: dict, n_tiles: int, groups: int, device: torch.device) -> tuple[int, int | None]:
     """``(split, maxnreg)`` of a ``matmul_mma_rows`` launch: the most splits (of ``MMA_ROWS_MIN_GROUPS`` groups or
-    more) whose programs the GPU holds at once (``wave_split``), and ``MMA_ROWS_CAP`` for more than 8 rows where
-    it makes that split half as large again."""
+    more) whose programs the GPU holds at once (``wave_split``), and ``MMA_ROWS_CAP`` for 9 to 16 rows where it
+    makes that split half as large again."""
     split = wave_split(n_tiles, groups, resident_programs(mma_rows_kernel, args, meta, device), MMA_ROWS_MIN_GROUPS)
-    if meta["TWO"]:
+    if meta["ROW_GROUPS"] == 2:
         capped_wave = resident_programs(mma_rows_kernel, args, {**meta, "maxnreg": MMA_ROWS_CAP}, device)
         capped = wave_split(n_tiles, groups, capped_wave, MMA_ROWS_MIN_GROUPS)
         if 2 * capped >= 3 * split:
@@ -311,7 +319,7 @@ def matmul_mma_rows(
     emulate: bool = False,
     pdl: bool = False,
 ) -> Tensor:
-    """``x [M <= 16, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
+    """``x [M <= 64, K] @ W^T`` on ``mma.sync`` fed from registers (``mma_rows``): 4-bit codes, bf16 activations
     (any magnitude: bf16 MMA) or fp16 ones, groups of a multiple of 32 dividing K (or one group, K a multiple of
     128). ``split_k`` overrides the one-wave split (splits of whole groups); ``emulate`` runs the interpreter's
     emulation of the PTX on a GPU too, to check the PTX against it; ``pdl`` the programmatic dependent launch
@@ -319,9 +327,10 @@ def matmul_mma_rows(
     x, qweight, scales, k, n, gs = _prepare(x, qweight, scales, bits, group_size)
     m = x.shape[0]
     kernel_gs = _mma_rows_group(k, gs)
-    if not (1 <= m <= 16 and _mma_rows_takes(x, bits, gs, k)):
+    if not (1 <= m <= MAX_ROWS and _mma_rows_takes(x, bits, gs, k)):
         raise ValueError(
-            f"the mma kernel takes 1 to 16 fp16/bf16 rows, 4-bit codes and groups of a multiple of 32 dividing K; "
+            f"the mma kernel takes 1 to {MAX_ROWS} fp16/bf16 rows, 4-bit codes and groups of a multiple of 32 "
+            "dividing K; "
             f"got {m} {x.dtype} rows, bits={bits}, group_size={gs}, K={k}"
         )
     block_n = check_launch(tiles, num_warps)
@@ -331,7 +340,7 @@ def matmul_mma_rows(
         "GROUP_SIZE": kernel_gs,
         "TILES": tiles,
         "WARPS": num_warps,
-        "TWO": m > 8,
+        "ROW_GROUPS": row_groups(m),
         "FP4": False,
         "BF16": x.dtype == torch.bfloat16,
         "ASM": not (_INTERPRET or emulate),
@@ -513,10 +522,10 @@ def matmul(
         if _paired_takes(x, bits):
             return matmul_paired(x, qweight, scales, bits, group_size, out=out)
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
+    k = qweight.shape[0] * (32 // bits)
+    if 1 < m <= MMA_ROWS_MAX_M and _mma_rows_takes(x, bits, group_size, k):
+        return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out)
     if 1 < m <= 16:
-        k = qweight.shape[0] * (32 // bits)
-        if _mma_rows_takes(x, bits, group_size, k):
-            return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out)
         return matmul_flat(x, qweight, scales, bits, group_size, out=out)
     if m <= TILED_MAX_M:
         return matmul_tiled(x, qweight, scales, bits, group_size, out=out)
