@@ -146,7 +146,7 @@ def solve_seconds(report: dict[str, Any]) -> dict[str, float]:
 class QuantRun:
     """One quantizer command to time: the method (``gptq`` or ``nvfp4``), the source checkpoint, the calibration
     file, the output folder, the calibration's longest sample, and the settings the benchmark varies (nvfp4's
-    input-scale rule, None: its own; gptq's ``--budget``, None: none)."""
+    input-scale rule and rounding, None: its own; gptq's ``--budget``, None: none)."""
 
     method: str
     model: Path
@@ -155,6 +155,7 @@ class QuantRun:
     max_len: int
     input_scale: str | None = None
     budget: str | None = None
+    rounding: str | None = None
 
 
 def _budget_figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +192,8 @@ def run_quantizer(job: QuantRun, device: str) -> dict[str, Any]:
             run_method(model, out, [str(calib)], options, GPTQMethod(bits, GPTQLayerOptions(), run), console)
         else:
             run = NVFP4RunOptions(device=device, show_progress=False, overwrite=True)
-            layer = NVFP4LayerOptions() if job.input_scale is None else NVFP4LayerOptions(input_scale=job.input_scale)
+            chosen = {"input_scale": job.input_scale, "rounding": job.rounding}
+            layer = NVFP4LayerOptions(**{k: v for k, v in chosen.items() if v is not None})
             run_method(model, out, [str(calib)], options, NVFP4Method(layer, run), console)
     wall = time.perf_counter() - t0
     report = json.loads((out / "quant_report.json").read_text())
@@ -227,6 +229,8 @@ def run_launched(job: QuantRun, nproc: int) -> dict[str, Any]:
     cmd += ["-o", str(out), "--calib", str(job.calib), "--max-len", str(job.max_len), "--overwrite"]
     if job.method == "nvfp4" and job.input_scale is not None:
         cmd += ["--input-scale", job.input_scale]
+    if job.method == "nvfp4" and job.rounding is not None:
+        cmd += ["--rounding", job.rounding]
     if job.budget is not None:
         cmd += ["--budget", job.budget]
     t0 = time.perf_counter()
@@ -306,6 +310,11 @@ def generate_check(path: Path, device: str, tokens: int = 8) -> dict[str, Any]:
     return {"load_s": round(load_s, 1), "generate_s": round(gen_s, 2), "tokens": new}
 
 
+def _row_key(method: str, rounding: str | None) -> str:
+    """A result row's name: the method, with the rounding where the run names one."""
+    return method if rounding is None else f"{method}-{rounding}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
@@ -320,6 +329,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smaller runs)")
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
     ap.add_argument("--nvfp4-input-scale", choices=["max", "mse"], help="nvfp4's input-scale rule (default: its own)")
+    ap.add_argument(
+        "--nvfp4-rounding",
+        nargs="+",
+        choices=["nearest", "gptq"],
+        help="run nvfp4 once per rounding named (rows nvfp4-nearest, nvfp4-gptq; default: once, its own rounding)",
+    )
     ap.add_argument(
         "--budget",
         help="also run gptq --budget SIZE after plain gptq: the search's seconds and the wall time it adds",
@@ -369,12 +384,17 @@ def main() -> None:
         (args.out / f"pipeline-{args.preset}-nproc.json").write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out / f'pipeline-{args.preset}-nproc.json'}")
         return
-    for method in args.methods:
-        out = args.scratch / f"export-{method}"
+    rows = [(m, None) for m in args.methods if m != "nvfp4" or not args.nvfp4_rounding]
+    if "nvfp4" in args.methods and args.nvfp4_rounding:
+        rows += [("nvfp4", rounding) for rounding in args.nvfp4_rounding]
+    for method, rounding in rows:
+        key = _row_key(method, rounding)
+        out = args.scratch / f"export-{key}"
         profiler = cProfile.Profile() if args.profile else None
         if profiler is not None:
             profiler.enable()
-        r = run_quantizer(QuantRun(method, model, calib, out, max_len, args.nvfp4_input_scale), device)
+        job = QuantRun(method, model, calib, out, max_len, args.nvfp4_input_scale, rounding=rounding)
+        r = run_quantizer(job, device)
         if profiler is not None:
             profiler.disable()
             args.out.mkdir(parents=True, exist_ok=True)
@@ -382,12 +402,12 @@ def main() -> None:
             stats = pstats.Stats(profiler, stream=text)
             stats.sort_stats("cumulative").print_stats(45)
             stats.sort_stats("tottime").print_stats(30)
-            (args.out / f"profile-{method}.txt").write_text(text.getvalue())
+            (args.out / f"profile-{key}.txt").write_text(text.getvalue())
         calib_s = r["phase_seconds"].get("calibrate_and_quantize", r["wall_s"])
         r["fraction_of_flop_floor"] = round(floor / calib_s, 3)
         r["generate"] = generate_check(out, device)
-        res[method] = r
-        print(json.dumps({method: r}, indent=2), flush=True)
+        res[key] = r
+        print(json.dumps({key: r}, indent=2), flush=True)
         if method == "gptq" and args.budget:
             out = args.scratch / "export-gptq-budget"
             b = run_quantizer(QuantRun(method, model, calib, out, max_len, budget=args.budget), device)
@@ -399,8 +419,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"pipeline-{args.preset}.json").write_text(json.dumps(res, indent=2))
     if not args.keep:
-        for method in args.methods:
-            shutil.rmtree(args.scratch / f"export-{method}", ignore_errors=True)
+        for method, rounding in rows:
+            shutil.rmtree(args.scratch / f"export-{_row_key(method, rounding)}", ignore_errors=True)
     print(f"wrote {args.out / f'pipeline-{args.preset}.json'}")
 
 
