@@ -412,9 +412,8 @@ class CalibrationEngine:
         progress.phase(i, layer.kind, "statistics")
         float_out = self._outputs(hs) if keep_float else None
         tree: TreeSum[LayerStats] = TreeSum(_merge_by_name)
-        with contextlib.ExitStack() as stack:
-            if float_out is None:  # the outputs are dropped: the layer's last product is not needed
-                stack.enter_context(last_product_skipped(layer))
+        # the outputs are dropped when there is no float copy to keep: the layer's last product is then not needed
+        with last_product_skipped(layer) if float_out is None else contextlib.nullcontext():
             for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (calibration.shards)
                 for j in rows:
                     self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
