@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from salaquant.cpu_gemm import bf16_linears_in_fp32
 from salaquant.model.tiny import preset_config, write_random_checkpoint
 
 # Under pytest-xdist each worker takes one core of its own: torch's default of one thread per core in every
@@ -22,6 +24,12 @@ from salaquant.model.tiny import preset_config, write_random_checkpoint
 if os.environ.get("PYTEST_XDIST_WORKER") and (os.cpu_count() or 1) <= int(os.environ["PYTEST_XDIST_WORKER_COUNT"]):
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+
+# The tests compute as the commands do on this machine (`salaquant.cli.app` enters the same context for every
+# command): bf16 linears through float32 on a CPU without bf16 arithmetic, in library calls made here too. The
+# stack holds the context for the whole session (an unreferenced one would be closed when collected).
+_SESSION = contextlib.ExitStack()
+_SESSION.enter_context(bf16_linears_in_fp32())
 
 
 @pytest.fixture(scope="session")

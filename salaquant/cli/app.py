@@ -38,6 +38,10 @@ def _root(
         console.print(f"salaquant {__version__}")
         raise typer.Exit(0)
     _progress_lines(ctx)
+    if ctx.invoked_subcommand is not None:
+        from ..cpu_gemm import bf16_linears_in_fp32
+
+        ctx.with_resource(bf16_linears_in_fp32())
 
 
 def _progress_lines(ctx: typer.Context) -> None:
