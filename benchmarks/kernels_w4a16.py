@@ -73,7 +73,7 @@ def _tinygemm(x: torch.Tensor, k: int, n: int) -> Callable[[int], object] | None
 def _auto_path(m: int, n: int) -> str:
     if m == 1:
         return "paired"
-    if m <= 16:
+    if m <= tk.MMA_ROWS_MAX_M:
         return "mma_rows"  # 4-bit codes, bf16 rows and groups of 128, as timed here
     return "tiled" if m <= tk.TILED_MAX_M else "dequant+mm"
 
@@ -110,9 +110,8 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
         alt["gemv"] = _time_us(lambda i: tk.matmul_gemv(x, qweight[i], scales[i], 4, GROUP), rep)
     if 1 < m <= 16:  # the flat kernel, which 8-bit codes and fp32 activations take
         alt["flat"] = _time_us(lambda i: tk.matmul_flat(x, qweight[i], scales[i], 4, GROUP), rep)
-    if 16 < m <= MAX_ROWS:  # the row kernel past 16 rows (2 to 8 row groups), at its default launch and two others
-        alt["mma_rows"] = _time_us(lambda i: tk.matmul_mma_rows(x, qweight[i], scales[i], 4, GROUP), rep)
-        for tiles, warps in ((2, 4), (1, 8)):
+    if 16 < m <= MAX_ROWS:  # the row kernel past 16 rows (4 or 8 row groups) at three launches
+        for tiles, warps in ((1, 4), (2, 4), (1, 8)):
             alt[f"mma_rows_t{tiles}w{warps}"] = _time_us(
                 lambda i, t=tiles, w=warps: tk.matmul_mma_rows(
                     x, qweight[i], scales[i], 4, GROUP, tiles=t, num_warps=w

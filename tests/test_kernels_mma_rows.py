@@ -195,6 +195,10 @@ def test_gpu_mma_rows_ptx_matches_emulation(shape: tuple[int, int], m: int) -> N
     _bound_check(got.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " PTX")
     _bound_check(emulated.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " emulation")
     torch.testing.assert_close(got.float(), emulated.float(), rtol=2**-7, atol=1e-3, msg=lambda s: f"{what}: {s}")
+    if m > 16:  # the launch `matmul` takes for 17 to 32 rows: two tiles a warp
+        two = tk.matmul_mma_rows(x, qweight, scales, 4, 128, tiles=2)
+        _bound_check(two.cpu(), x.cpu(), qweight.cpu(), scales.cpu(), 128, what + " PTX, 2 tiles")
+        torch.testing.assert_close(two.float(), emulated.float(), rtol=2**-7, atol=1e-3, msg=lambda s: f"{what}: {s}")
 
 
 def _nvfp4_operands(seed: int, m: int, k: int, n: int, dtype: torch.dtype, device: str = "cpu"):

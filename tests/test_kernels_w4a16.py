@@ -89,8 +89,10 @@ def test_triton_8bit(m: int) -> None:
         (1, 64, 4, "paired"),  # 4-bit codes, an fp16 row
         (16, 64, 4, "mma_rows"),  # 4-bit codes, fp16 activations, one group of K = 128
         (2, 64, 4, "mma_rows"),
-        (17, 512, 4, "tiled"),
-        (17, 384, 4, "tiled"),  # fewer output tiles than SMs: split along K, still the tiled kernel
+        (17, 64, 4, "mma_rows"),  # two column tiles a warp from 17 rows
+        (32, 64, 4, "mma_rows"),  # MMA_ROWS_MAX_M
+        (33, 512, 4, "tiled"),
+        (33, 384, 4, "tiled"),  # fewer output tiles than SMs: split along K, still the tiled kernel
         (128, 128, 4, "tiled"),  # TILED_MAX_M
         (129, 64, 4, "dequantize"),
     ],
@@ -101,8 +103,11 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
     class Taken(Exception):
         pass
 
+    launches: list[dict] = []
+
     def spy(name: str) -> Callable[..., None]:
         def called(*args: object, **kwargs: object) -> None:
+            launches.append(kwargs)
             raise Taken(name)
 
         return called
@@ -127,16 +132,18 @@ def test_matmul_picks_the_path(monkeypatch: pytest.MonkeyPatch, m: int, n: int, 
             with pytest.raises(Taken) as taken:
                 tk.matmul(x, qweight, scales.expand(128 // group, n), 4, group)
             assert str(taken.value) == "matmul_mma_rows"
-        # one group of K = 64, fp32 rows, groups of 16 and 48, 8-bit codes: the flat kernel
-        cases = [(x[:, :64], qweight[:8], -1, "flat"), (x.float(), qweight, -1, "flat")]
-        cases += [(x, qweight, 16, "flat"), (x[:, :96], qweight[:12], 48, "flat")]
+            assert (launches[-1]["tiles"], launches[-1]["num_warps"]) == ((1, 4) if m <= 16 else (2, 4))
+        # one group of K = 64, fp32 rows, groups of 16 and 48, 8-bit codes: the flat kernel (tiled past 16 rows)
+        other = "flat" if m <= 16 else "tiled"
+        cases = [(x[:, :64], qweight[:8], -1, other), (x.float(), qweight, -1, other)]
+        cases += [(x, qweight, 16, other), (x[:, :96], qweight[:12], 48, other)]
         for xx, qw, group, want in cases:
             with pytest.raises(Taken) as taken:
                 tk.matmul(xx, qw, scales.expand(1 if group < 0 else xx.shape[1] // group, n), 4, group)
             assert str(taken.value) == f"matmul_{want}"
         with pytest.raises(Taken) as taken:
             tk.matmul(x, torch.zeros(32, n, dtype=torch.int32), scales, 8, -1)
-        assert str(taken.value) == "matmul_flat"
+        assert str(taken.value) == f"matmul_{other}"
 
 
 def _variants():

@@ -9,14 +9,14 @@ fix-up in ``../split_k.py``); this module sizes the grids and workspaces and pic
   fp16 arithmetic, two weights per instruction; the rounding of each word's two 4-term sums to fp16 is its only
   departure from fp32 accumulation.
 * ``M == 1`` otherwise (8-bit codes, fp32 activations), ``gemv`` (``matmul_gemv``): CUDA-core split-K GEMV.
-* ``2 <= M <= MMA_ROWS_MAX_M`` (16) with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32
+* ``2 <= M <= MMA_ROWS_MAX_M`` (32) with 4-bit codes, fp16/bf16 activations and groups of a multiple of 32
   dividing K (or one group, K a multiple of 128: every GPTQ export of the project), ``mma_rows``
   (``matmul_mma_rows``): ``mma.sync`` fed from registers, the paired dequantization of ``paired``, fp32 products and
-  sums, split-K over whole groups so that the programs fill one wave of the GPU. The kernel takes groups of 8 rows,
-  up to 64.
+  sums, split-K over whole groups so that the programs fill one wave of the GPU; from 17 rows two column tiles a
+  warp (``MMA_ROWS_WIDE_CONFIG``). The kernel takes groups of 8 rows, up to 64.
 * ``2 <= M <= 16`` otherwise (8-bit codes, fp32 activations), ``flat`` (``matmul_flat``): split-K over short
   unrolled runs of K tiles, ``tl.dot`` on a 16-row activation tile.
-* ``16 < M <= TILED_MAX_M``, ``tiled`` (``matmul_tiled``): output tiles, each weight tile dequantized to the
+* ``16 < M <= TILED_MAX_M`` otherwise, ``tiled`` (``matmul_tiled``): output tiles, each weight tile dequantized to the
   activation dtype for one ``tl.dot``; where the output tiles are fewer than the GPU's SMs, K is split among
   programs (``_tiled_split``) so that the packed weight is still read once, by every SM.
 * ``M > TILED_MAX_M``: the weight is dequantized once to the activation dtype (``dequantize``) and the product
@@ -263,10 +263,14 @@ MMA_ROWS_CONFIG = {"tiles": 1, "num_warps": 4}
 ``_mma_rows_wave``."""
 
 
-MMA_ROWS_MAX_M = 16
-"""``matmul`` gives ``mma_rows`` 2 to this many rows. The kernel takes up to ``mma_rows.MAX_ROWS``; from 17 rows
-``benchmarks/kernels_w4a16.py`` times it against the tiled kernel, which has these rows until it is measured
-faster."""
+MMA_ROWS_WIDE_CONFIG = {"tiles": 2, "num_warps": 4}
+"""``matmul``'s ``matmul_mma_rows`` launch for 17 to ``MMA_ROWS_MAX_M`` rows: two column tiles a warp, so that each
+program's activation fragments (four row groups) serve twice the columns."""
+
+
+MMA_ROWS_MAX_M = 32
+"""``matmul`` gives ``mma_rows`` 2 to this many rows. The kernel takes up to ``mma_rows.MAX_ROWS``; at 64 rows the
+tiled kernel measured as fast or faster (``benchmarks/kernels_w4a16.py``, ``docs/kernels.md``)."""
 
 
 MMA_ROWS_CAP = 64
@@ -524,7 +528,8 @@ def matmul(
         return matmul_gemv(x, qweight, scales, bits, group_size, out=out)
     k = qweight.shape[0] * (32 // bits)
     if 1 < m <= MMA_ROWS_MAX_M and _mma_rows_takes(x, bits, group_size, k):
-        return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out)
+        launch = MMA_ROWS_CONFIG if m <= 16 else MMA_ROWS_WIDE_CONFIG
+        return matmul_mma_rows(x, qweight, scales, bits, group_size, out=out, **launch)
     if 1 < m <= 16:
         return matmul_flat(x, qweight, scales, bits, group_size, out=out)
     if m <= TILED_MAX_M:
