@@ -15,8 +15,12 @@ from salaquant.formats.modelopt_nvfp4.numerics import (
     FP8_MAX,
     FP8_MIN_SCALE,
     NVFP4Weight,
+    block_codes,
+    block_round,
     block_scales,
+    dequant_blocks,
     e2m1_codes,
+    e2m1_round,
     e2m1_values,
     global_scale,
     input_scale,
@@ -225,6 +229,52 @@ def test_e2m1_round_to_nearest_even_by_hand() -> None:
     assert e2m1_codes(torch.tensor([0.0, -0.0, -0.1, -0.25, -0.26])).tolist() == [0, 0, 8, 8, 9]
     assert e2m1_codes(torch.tensor([-0.75, -5.0], dtype=torch.bfloat16)).tolist() == [10, 14]
     assert e2m1_codes(torch.tensor([1.0])).dtype == torch.uint8
+
+
+def _nearest_grid_index(x: torch.Tensor) -> torch.Tensor:
+    """Grid index of the nearest E2M1 magnitude of fp32 ``x`` by distance to every grid value in fp64, ties to the
+    even index, saturating (NaN to the largest): the format's definition, written independently of numerics."""
+    a = x.double().abs().nan_to_num(nan=7.0).clamp(max=7.0)  # past 6 (NaN too) the nearest is 6
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    dist = (a[:, None] - grid[None, :]).abs()
+    least = dist.min(dim=1, keepdim=True).values
+    tied = dist == least
+    even = tied & (torch.arange(8) % 2 == 0)
+    return torch.where(even.any(dim=1), even.int().argmax(dim=1), tied.int().argmax(dim=1))
+
+
+def test_e2m1_codes_and_round_against_the_nearest_grid_value() -> None:
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 2.0, 4.0, 6.0, 0.5])
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    special = torch.tensor([0.0, -0.0, 1e-45, 3e38, float("inf"), -float("inf"), float("nan"), 7.0, -7.0])
+    x = torch.cat(
+        [
+            midpoints, -midpoints, torch.nextafter(midpoints, up), torch.nextafter(midpoints, down),
+            -torch.nextafter(midpoints, up), special, torch.linspace(-9.0, 9.0, 20_001),
+            torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4,
+        ]
+    )  # fmt: skip
+    codes = e2m1_codes(x)
+    index = _nearest_grid_index(x)
+    negative = (x < 0).to(torch.uint8)
+    assert torch.equal(codes & 7, index.to(torch.uint8))
+    assert torch.equal(codes >> 3, negative)
+    decoded = e2m1_values(codes)
+    rounded = e2m1_round(x)
+    assert torch.equal(rounded.view(torch.int32), decoded.view(torch.int32))  # every bit, signed zeros included
+    assert torch.equal(e2m1_codes(x.double() / 3), e2m1_codes((x.double() / 3).float()))  # rounds as fp32
+
+
+def test_block_round_is_the_decoded_codes() -> None:
+    g = torch.Generator().manual_seed(1)
+    wb = torch.randn(6, 5, BLOCK, generator=g) * torch.exp(torch.randn(6, 5, 1, generator=g))
+    wb[0, 0] = 0.0
+    scale = block_scales(wb.reshape(6, -1), 0.01).float()
+    s2 = torch.tensor(0.01)
+    got, want = block_round(wb, scale, s2), dequant_blocks(block_codes(wb, scale, s2), scale, s2)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    zero = block_round(torch.zeros(1, 1, BLOCK), torch.ones(1, 1), torch.tensor(0.0))  # 0 / 0 saturates, times 0
+    assert torch.equal(zero, torch.zeros(1, 1, BLOCK))
 
 
 def test_e2m1_grid_values() -> None:

@@ -12,9 +12,8 @@ import torch
 from ..formats.modelopt_nvfp4.numerics import (
     BLOCK,
     as_fp32,
-    block_codes,
+    block_round,
     check_weight,
-    dequant_blocks,
     raw_block_scales,
     round_block_scales,
     scalar_scale,
@@ -101,8 +100,7 @@ def search_block_scales(
 
 def _scale_error(wb: torch.Tensor, scale: torch.Tensor, imp: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """Importance-weighted squared error ``[out, nb]`` of each block under its FP8 ``scale``."""
-    scale_fp32 = scale.float()
-    w_hat = dequant_blocks(block_codes(wb, scale_fp32, s2), scale_fp32, s2)
+    w_hat = block_round(wb, scale.float(), s2)
     return ((wb - w_hat) ** 2 * imp).sum(dim=-1)
 
 

@@ -34,11 +34,13 @@ __all__ = [
     "NVFP4Weight",
     "as_fp32",
     "block_codes",
+    "block_round",
     "block_scales",
     "check_input_scale",
     "check_weight",
     "dequant_blocks",
     "e2m1_codes",
+    "e2m1_round",
     "e2m1_values",
     "global_scale",
     "input_scale",
@@ -60,10 +62,6 @@ FP8_MIN_SCALE = 2.0**-9
 """Smallest block scale (the smallest positive FP8 E4M3 subnormal); smaller scales are raised to it."""
 BLOCK = 16
 
-# Midpoints between neighbouring grid magnitudes; a magnitude exactly on a midpoint whose upper neighbour
-# has the even mantissa (1.0, 2.0, 4.0) rounds up, the others (0.25, 1.25, 2.5, 5.0) round down.
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_ROUND_UP_MIDPOINTS = (0.75, 1.75, 3.5)
 _GLOBAL_DIVISOR = FP4_MAX * FP8_MAX  # 2688
 
 
@@ -144,25 +142,46 @@ def _constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.devic
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _e2m1_index(magnitude: torch.Tensor) -> torch.Tensor:
-    """Grid index (int64, 0-7) of the nearest E2M1 magnitude, ties to even, saturating at 6 (NaN -> 7)."""
-    midpoints = _constant(tuple(_MIDPOINTS), magnitude.dtype, magnitude.device)
-    # Number of midpoints strictly below the magnitude, i.e. the round-half-down index.
-    idx = torch.bucketize(magnitude, midpoints, right=False)
-    for m in _ROUND_UP_MIDPOINTS:
-        idx = idx + (magnitude == m).to(idx.dtype)
-    return idx
+def _e2m1_magnitude(magnitude: torch.Tensor) -> torch.Tensor:
+    """fp32 nearest E2M1 magnitude of fp32 ``magnitude >= 0``, ties to the even grid index, saturating at 6
+    (NaN -> 6).
+
+    The grid's step is 0.5 below 2, 1 from 2 to 4 and 2 above, so the magnitude is rounded half to even in units
+    of its step (a power of two: the division is exact). The even multiples of each step are the even grid
+    indices, so half-to-even in steps is ties to the even index; at the step changes (2 and 4) the grid value
+    itself is the boundary, never a tie. Arithmetic rather than a midpoint table, as it runs on every block of
+    every candidate scale in the block-scale search.
+    """
+    step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))
+    rounded = (torch.round(magnitude / step) * step).clamp_(max=FP4_MAX)
+    return torch.nan_to_num_(rounded, nan=FP4_MAX)
+
+
+def _grid_index(value: torch.Tensor) -> torch.Tensor:
+    """uint8 grid index (0-7) of E2M1 magnitudes ``value``: ``2 v`` below 2, ``v + 2`` below 4, ``v / 2 + 4``
+    from 4 (0.5 -> 1, 2 -> 4, 3 -> 5, 6 -> 7)."""
+    index = torch.where(value < 2.0, 2.0 * value, torch.where(value < 4.0, value + 2.0, value / 2.0 + 4.0))
+    return index.to(torch.uint8)
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes of ``x`` (already divided by its scales): ``sign << 3 | grid index``.
 
-    Rounds to the nearest grid magnitude with ties to even and saturates at 6; ``-0.0`` has sign 0, a negative
-    value that rounds to zero keeps sign 1 (code 8).
+    Rounds ``x`` (as fp32) to the nearest grid magnitude with ties to even and saturates at 6 (NaN -> 6);
+    ``-0.0`` has sign 0, a negative value that rounds to zero keeps sign 1 (code 8).
     """
     x = x.float()
     sign = (x < 0).to(torch.uint8)
-    return (sign << 3) | _e2m1_index(x.abs()).to(torch.uint8)
+    return (sign << 3) | _grid_index(_e2m1_magnitude(x.abs()))
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``e2m1_values(e2m1_codes(x))`` without the codes: ``x`` (as fp32) rounded onto the signed E2M1 grid,
+    every bit equal to the decoded codes' (``-0.0`` for a negative value that rounds to zero, ``+0.0`` for
+    ``-0.0``)."""
+    x = x.float()
+    magnitude = _e2m1_magnitude(x.abs())
+    return torch.where(x < 0, -magnitude, magnitude)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -194,6 +213,13 @@ def dequant_blocks(codes: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2
 def block_codes(wb: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
     """uint8 codes of fp32 blocks ``wb [out, nb, 16]`` under block scales ``scale_fp32 [out, nb]``."""
     return e2m1_codes(wb / (scale_fp32 * weight_scale_2).unsqueeze(-1))
+
+
+def block_round(wb: torch.Tensor, scale_fp32: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """fp32 blocks ``wb [out, nb, 16]`` rounded onto their grids under block scales ``scale_fp32 [out, nb]``:
+    ``dequant_blocks(block_codes(...))`` bit for bit, without building the codes."""
+    step = (scale_fp32 * weight_scale_2).unsqueeze(-1)
+    return e2m1_round(wb / step) * step
 
 
 @dataclass
@@ -278,5 +304,4 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | float) -> 
     s2 = scalar_scale(input_scale, x.device)
     blocks = weight_blocks(flat)
     scale = round_block_scales(raw_block_scales(blocks.abs().amax(dim=-1), s2)).float()
-    deq = dequant_blocks(block_codes(blocks, scale, s2), scale, s2)
-    return deq.reshape(x.shape).to(x.dtype)
+    return block_round(blocks, scale, s2).reshape(x.shape).to(x.dtype)
