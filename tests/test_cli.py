@@ -108,11 +108,14 @@ def test_calibrate_no_bos_drops_one_token_per_sample(tmp_path: Path) -> None:
     from salaquant.workflow import load_tokenizer
 
     tok = load_tokenizer(SHIPPED)
-    texts = [json.loads(line)["text"] for line in CALIB.read_text().splitlines()[:2]]
+    records = sorted(CALIB.read_text().splitlines(), key=len)[:2]  # the two shortest, for a short run
+    calib = tmp_path / "short.jsonl"
+    calib.write_text("\n".join(records) + "\n")
+    texts = [json.loads(line)["text"] for line in records]
     own = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
     for flag, expected in (("--bos", own + 2), ("--no-bos", own)):
         out = tmp_path / flag
-        args = ["calibrate", "-i", str(SHIPPED), "-o", str(out), "--calib", str(CALIB), "--max-samples", "2"]
+        args = ["calibrate", "-i", str(SHIPPED), "-o", str(out), "--calib", str(calib), "--max-samples", "2"]
         res = runner.invoke(app, [*args, "--device", "cpu", flag])
         assert res.exit_code == 0, res.output
         report = json.loads((out / "calibration.json").read_text())

@@ -48,22 +48,25 @@ def _poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("d", range(2), ids=["fp16", "fp32"])
+@pytest.mark.parametrize("g", range(len(GROUP_SIZES)), ids=[str(gs) for gs in GROUP_SIZES])
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
-def test_triton_matches_reference(m: int, group_size: int, dtype: torch.dtype) -> None:
+def test_triton_matches_reference(m: int, g: int, d: int) -> None:
+    """Each row count on every group size and dtype; the two shapes alternate with them, so that every pair of
+    group size, dtype and shape is run at every row count."""
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
-    for k, n in [(256, 64), (384, 192)]:
-        seed = _seed()
-        x, qweight, scales = _operands(seed, m, k, n, 4, group_size, dtype)
-        y = tk.matmul(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
-        ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
-        w = dequantize(qweight, scales, 4, group_size)
-        _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype}")
-        if m > 16:  # the tiled kernel too, whichever path the dispatch took
-            y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
-            _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiled")
+    group_size, dtype = GROUP_SIZES[g], (torch.float16, torch.float32)[d]
+    k, n = ((256, 64), (384, 192))[(g + d) % 2]
+    seed = _seed()
+    x, qweight, scales = _operands(seed, m, k, n, 4, group_size, dtype)
+    y = tk.matmul(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
+    ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
+    w = dequantize(qweight, scales, 4, group_size)
+    _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype}")
+    if m > 16:  # the tiled kernel too, whichever path the dispatch took
+        y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=_poisoned(m, n, dtype))
+        _assert_close(y, ref, x, w, TOL[dtype], f"seed={seed} M={m} K={k} N={n} gs={group_size} {dtype} tiled")
 
 
 @pytest.mark.interpreter

@@ -37,30 +37,35 @@ def _bound_check(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
     assert_within(y, ref, bound, what)
 
 
+# (K, N, block_n, block_k, split_k): K = 416 is 6.5 tiles of 64 (a partial last tile, splits of 3, 3 and 1
+# tiles), N = 80 and 96 partial column tiles; groups of 32 below a tile of 64 take one scale per word row
+PAIRED_CASES = ((416, 80, 64, 64, 3), (256, 64, 64, 16, None), (512, 96, 32, 32, 2), (384, 192, 256, 64, 1))
+# (dtype, sub-tile width): with the four group sizes, a 4 x 4 Latin square picks the shape case, so that every
+# pair of group size, shape case and (dtype, sub-tiles) is run once (16 runs instead of all 64 combinations)
+PAIRED_VARIANTS = ((torch.float16, 0), (torch.float16, 16), (torch.bfloat16, 0), (torch.bfloat16, 16))
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("sub", [0, 16], ids=["tile", "subtiles"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_paired_matches_reference(group_size: int, dtype: torch.dtype, sub: int) -> None:
+@pytest.mark.parametrize("variant", range(4), ids=["fp16-tile", "fp16-subtiles", "bf16-tile", "bf16-subtiles"])
+@pytest.mark.parametrize("g", range(4), ids=[str(gs) for gs in GROUP_SIZES])
+def test_paired_matches_reference(g: int, variant: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
 
-    # (K, N, block_n, block_k, split_k): K = 416 is 6.5 tiles of 64 (a partial last tile, splits of 3, 3 and 1
-    # tiles), N = 80 and 96 partial column tiles; groups of 32 below a tile of 64 take one scale per word row
-    cases = [(416, 80, 64, 64, 3), (256, 64, 64, 16, None), (512, 96, 32, 32, 2), (384, 192, 256, 64, 1)]
-    for k, n, block_n, block_k, split_k in cases:
-        seed = _seed()
-        gen = torch.Generator().manual_seed(seed)
-        groups = 1 if group_size == -1 else -(-k // group_size)
-        qweight = _words(gen, k, n)
-        scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.002).to(torch.float16)
-        x = torch.randn(1, k, generator=gen).to(dtype)
-        out = torch.full((1, n), float("nan"), dtype=dtype)
-        y = tk.matmul_paired(
-            x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k, sub=sub
-        )
-        assert y is out
-        _bound_check(y, x, qweight, scales, group_size, f"seed={seed} K={k} N={n} gs={group_size} {dtype}")
-        assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
+    group_size, (dtype, sub) = GROUP_SIZES[g], PAIRED_VARIANTS[variant]
+    k, n, block_n, block_k, split_k = PAIRED_CASES[(g + variant) % len(PAIRED_CASES)]
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    qweight = _words(gen, k, n)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.002).to(torch.float16)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    out = torch.full((1, n), float("nan"), dtype=dtype)
+    y = tk.matmul_paired(
+        x, qweight, scales, 4, group_size, out=out, block_n=block_n, block_k=block_k, split_k=split_k, sub=sub
+    )
+    assert y is out
+    _bound_check(y, x, qweight, scales, group_size, f"seed={seed} K={k} N={n} gs={group_size} {dtype}")
+    assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
 @pytest.mark.interpreter
