@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...formats.modelopt_nvfp4.numerics import e2m1_codes, e2m1_values
+from ...formats.modelopt_nvfp4.numerics import e2m1_codes, e2m1_round
 from .block import ColumnBlock
 
 
@@ -29,17 +29,21 @@ def gptq_columns_reference(block: ColumnBlock, scale: torch.Tensor, start: int, 
     updated on columns ``>= start``. ``scale`` is ``[R]`` (one scale per row for every column of the range) or
     ``[R, C]`` (a scale per row and column)."""
     w1, codes, err, hinv1, zero = block.w1, block.codes, block.err, block.hinv1, block.zero
+    scaled = torch.empty_like(w1[:, start:stop]) if block.e2m1 else None
     for j in range(start, stop):
         s = scale if scale.dim() == 1 else scale[:, j]
-        if block.e2m1:
-            q = e2m1_codes(w1[:, j] / s)
-            e = (w1[:, j] - e2m1_values(q).to(w1.dtype) * s) / hinv1[j, j]
+        if scaled is not None:
+            x = w1[:, j] / s
+            scaled[:, j - start] = x
+            e = (w1[:, j] - e2m1_round(x).to(w1.dtype) * s) / hinv1[j, j]
         else:
             q = (torch.round(w1[:, j] / s) + zero).clamp(0, block.maxq)
             e = (w1[:, j] - (q - zero) * s) / hinv1[j, j]
+            codes[:, j] = q.to(torch.int32)
         w1[:, j:] -= e[:, None] * hinv1[j, j:][None, :]
-        codes[:, j] = q.to(torch.int32)
         err[:, j] = e
+    if scaled is not None:  # the codes of the values rounded above, for every column of the range at once
+        codes[:, start:stop] = e2m1_codes(scaled).to(torch.int32)
 
 
 def best_scale_reference(
