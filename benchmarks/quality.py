@@ -1,8 +1,8 @@
-"""Quality of salaquant's quantizers against the tools users would otherwise pick, on the shipped tiny model.
+"""Quality of salaquant's quantizers against the tools users would otherwise pick, on a shipped model.
 
-Same model (``models/sala-tiny``), same calibration token sequences (the shipped set through
-``salaquant.calibration.calib_data``), same held-out windows (the shipped sample, dense attention, CPU), one table:
-perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreement for
+Same model (``models/sala-tiny``, or ``--model``, e.g. ``models/sala-small``), same calibration token sequences
+(the shipped set through ``salaquant.calibration.calib_data``), same held-out windows (the shipped sample, dense
+attention, CPU), one table: perplexity increase over bf16, KL(bf16 || quantized) per token and top-1 agreement for
 
 * RTN W4 g128 symmetric (the baseline), salaquant GPTQ W4A16 with and without SmoothQuant (and with MSE scales);
 * salaquant NVFP4 default exclusions and dense-all, each with plain block scales and with the block-scale search;
@@ -282,6 +282,11 @@ def run_peer(script: str, venv: Path | None, args: list[str], out: Path, setup: 
     return info
 
 
+def _shown(path: Path) -> Path:
+    """``path`` relative to the checkout where it lies inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def _score(reference: torch.nn.Module, model: torch.nn.Module, wins: list[torch.Tensor]) -> dict[str, float]:
     with torch.no_grad():
         return compare_models(reference, model, wins)
@@ -296,11 +301,12 @@ def main() -> None:
     ap.add_argument("--autoround-lr", type=float, help="AutoRound's learning rate (default: its 1 / iters)")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
     ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
+    ap.add_argument("--model", type=Path, default=MODEL, help="the bf16 checkpoint every tool quantizes (sala-tiny)")
     args = ap.parse_args()
     torch.manual_seed(0)
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
-    model = MODEL
+    model = args.model.resolve()
     if args.smoke:
         model = args.out / "random-tiny"
         if not (model / "config.json").exists():
@@ -414,7 +420,7 @@ def main() -> None:
         if "ppl" in r:
             r["ppl_increase"] = r["ppl"] / base - 1
     result = {
-        "model": "random tiny (smoke)" if args.smoke else str(model.relative_to(ROOT)),
+        "model": "random tiny (smoke)" if args.smoke else str(_shown(model)),
         "calibration": {"source": str(CALIB.relative_to(ROOT)), "samples": len(samples), "max_len": args.max_len},
         "eval": {"windows": len(wins), "window_tokens": args.window_len, "attention": "dense", "device": "cpu"},
         "torch": torch.__version__,
