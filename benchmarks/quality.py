@@ -25,8 +25,11 @@ Every export is read back by ``salaquant.model.loading.load_model`` (weights deq
 short samples (seconds; what the tests run). ``--only`` runs the rows whose name contains one of its strings
 (with the exports they need).
 
-  python benchmarks/quality.py --out OUT [--llmc-venv /tmp/venv-llmc] [--gptqmodel-venv /tmp/venv-gptqmodel]
-      [--autoround-venv /tmp/venv-autoround]
+``--no-bos`` gives every tool its calibration samples without BOS, the layout of the held-out windows (sala-small
+reads BOS-led text as a task prompt; see docs/quality.md). ``quality.json`` is rewritten after every row.
+
+  python benchmarks/quality.py --out OUT [--model models/sala-small] [--no-bos] [--llmc-venv /tmp/venv-llmc]
+      [--gptqmodel-venv /tmp/venv-gptqmodel] [--autoround-venv /tmp/venv-autoround [--autoround-device cuda]]
 """
 
 from __future__ import annotations
@@ -299,9 +302,16 @@ def main() -> None:
     ap.add_argument("--autoround-venv", type=Path)
     ap.add_argument("--autoround-iters", type=int, help="AutoRound's tuning steps per block (default: its 200)")
     ap.add_argument("--autoround-lr", type=float, help="AutoRound's learning rate (default: its 1 / iters)")
+    ap.add_argument("--autoround-device", default="cpu", help="where AutoRound tunes its blocks: cpu or cuda")
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
     ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
     ap.add_argument("--model", type=Path, default=MODEL, help="the bf16 checkpoint every tool quantizes (sala-tiny)")
+    ap.add_argument(
+        "--no-bos",
+        action="store_true",
+        help="every tool's calibration samples without BOS, the layout of the held-out windows (for a model that "
+        "reads BOS-led text otherwise, as sala-small does)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     console = Console()
@@ -319,10 +329,33 @@ def main() -> None:
         args.max_samples, args.max_len, args.windows, args.window_len = 4, 256, 2, 256
     tok = load_tokenizer(model)
     wins = windows(load_eval_text(None, tok, tok.eos_token_id).tokens, args.window_len, args.windows)
-    calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len)
+    calib = CalibOptions(max_samples=args.max_samples, max_len=args.max_len, bos=not args.no_bos)
     samples = [s.ids for s in load_calibration([str(CALIB)], tok, calib).samples]
     reference = load_model(model)
     rows: list[dict[str, Any]] = [{"variant": "bf16", "tool": "-", **_score(reference, reference, wins)}]
+
+    def save() -> dict[str, Any]:
+        """Write ``quality.json`` with the rows so far (after every row: a run cut short keeps what it measured)."""
+        base = rows[0]["ppl"]
+        for r in rows:
+            if "ppl" in r:
+                r["ppl_increase"] = r["ppl"] / base - 1
+        result = {
+            "model": "random tiny (smoke)" if args.smoke else str(_shown(model)),
+            "calibration": {
+                "source": str(CALIB.relative_to(ROOT)),
+                "samples": len(samples),
+                "max_len": args.max_len,
+                "bos": not args.no_bos,
+            },
+            "eval": {"windows": len(wins), "window_tokens": args.window_len, "attention": "dense", "device": "cpu"},
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "rows": rows,
+            "targets": targets(rows),
+        }
+        (args.out / "quality.json").write_text(json.dumps(result, indent=2))
+        return result
 
     def wanted(name: str) -> bool:
         return not args.only or any(k in name for k in args.only)
@@ -342,6 +375,7 @@ def main() -> None:
         r = rows[-1]
         done = f"ppl {r['ppl']:.3f}, KL {r['kl']:.4f}" if "ppl" in r else f"failed: {r['error']}"
         console.print(f"{name}: {done} ({r['seconds']} s)")
+        save()
 
     nvfp4_exports = {"nvfp4": "default", "nvfp4-da": "dense-all"}
     nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt"))
@@ -387,7 +421,7 @@ def main() -> None:
     ours_nvfp4 = nvfp4_quantized_linears(args.out / "nvfp4") if (args.out / "nvfp4").exists() else set()
     kept_nvfp4 = [re.escape(n) for n in sorted(_linear_names(reference) - ours_nvfp4)] if ours_nvfp4 else []
     base_args = ["--model", str(model), "--calib", str(CALIB), "--max-samples", str(args.max_samples)]
-    base_args += ["--max-len", str(args.max_len)]
+    base_args += ["--max-len", str(args.max_len)] + (["--no-bos"] if args.no_bos else [])
     against = {
         export: (len(ours), base_args + (["--ignore", *kept] if kept else []))
         for export, ours, kept in (("gptq", ours_gptq, kept_regexes), ("nvfp4", ours_nvfp4, kept_nvfp4))
@@ -413,22 +447,11 @@ def main() -> None:
             label, extra = f"{label} ({args.autoround_iters} iters)", [*extra, "--iters", str(args.autoround_iters)]
         if peer == "autoround" and args.autoround_lr is not None:
             label, extra = f"{label} (lr {args.autoround_lr:g})", [*extra, "--lr", str(args.autoround_lr)]
+        if peer == "autoround":
+            extra = [*extra, "--device", args.autoround_device]
         record(label, RUNNERS[peer][2], peer_build(peer, args.out / f"peer-{folder}", export, extra))
 
-    base = rows[0]["ppl"]
-    for r in rows:
-        if "ppl" in r:
-            r["ppl_increase"] = r["ppl"] / base - 1
-    result = {
-        "model": "random tiny (smoke)" if args.smoke else str(_shown(model)),
-        "calibration": {"source": str(CALIB.relative_to(ROOT)), "samples": len(samples), "max_len": args.max_len},
-        "eval": {"windows": len(wins), "window_tokens": args.window_len, "attention": "dense", "device": "cpu"},
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "rows": rows,
-        "targets": targets(rows),
-    }
-    (args.out / "quality.json").write_text(json.dumps(result, indent=2))
+    result = save()
     console.print(table(result))
     for line in result["targets"]:
         console.print(line)

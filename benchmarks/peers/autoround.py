@@ -1,11 +1,11 @@
 """Peer runner: AutoRound (SignRound: signed-gradient tuning of each weight's rounding and of the scales' clipping,
-block by block) on a SALA checkpoint, on CPU: W4A16, NVFP4 weight-only (NVFP4A16) or NVFP4 W4A4.
+block by block) on a SALA checkpoint, on the CPU or a CUDA GPU: W4A16, NVFP4 weight-only (NVFP4A16) or NVFP4 W4A4.
 
 Runs inside the virtual environment made by ``benchmarks/peers/setup_autoround.sh``::
 
     python benchmarks/peers/autoround.py --model models/sala-tiny --calib calib/sala-tiny-calib.jsonl \\
         --max-samples 32 --max-len 2048 --out OUT [--scheme W4A16|NVFP4A16|NVFP4|<AutoRound preset>]
-        [--iters 200] [--ignore REGEX ...]
+        [--iters 200] [--device cpu|cuda] [--ignore REGEX ...]
 
 The model is loaded with ``AutoModelForCausalLM`` (after ``import salaquant.model.hf``) and handed to
 ``auto_round.AutoRound`` as a module, with SignRound's settings at AutoRound's defaults (``iters`` 200, learning
@@ -17,9 +17,11 @@ rate 1 / iters, min-max tuning on, each block tuned on the previous blocks' quan
   ``seqlen`` (a token tensor is not cut to it);
 * the samples differ in length, so they cannot be stacked: ``batch_size=1`` with ``gradient_accumulate_steps=8``
   (AutoRound's advice for models it cannot batch), which keeps its default of 8 samples a step;
-* ``device_map="cpu"`` and ``torch.compile`` off (AutoRound turns it on from 10 iters on; on a 2-core CPU the
-  first lightning block had not finished after 4 minutes with it, where without it a block tunes in under a minute
-  at 10 iters).
+* ``torch.compile`` off (AutoRound turns it on from 10 iters on; on a 2-core CPU the first lightning block had not
+  finished after 4 minutes with it, where without it a block tunes in under a minute at 10 iters), on either device,
+  so that a GPU run computes what a CPU run does. ``--device`` is AutoRound's ``device_map`` (``cpu`` by default;
+  ``cuda``: each block is tuned on the GPU, which makes the default 200 steps a matter of minutes); the model is
+  back on the CPU for the export and its checks.
 
 ``--iters``: AutoRound's docs give 200 as the default ("auto-round", the recipe they recommend for W4A16), 0 for its
 round-to-nearest mode, 50 with ``--lr`` 5e-3 as the faster "auto-round-light" and 1000 for "auto-round-best".
@@ -105,6 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tuning steps per block (AutoRound's default 200; 0: its round-to-nearest mode)",
     )
     ap.add_argument("--lr", type=float, default=None, help="learning rate (AutoRound's default: 1 / iters)")
+    ap.add_argument("--device", default="cpu", help="AutoRound's device_map: cpu (default) or cuda")
     return ap.parse_args(argv)
 
 
@@ -172,12 +175,23 @@ def run_autoround(
         nsamples=len(samples),
         seqlen=min(len(ids) for ids in samples),
         batch_size=1,
-        device_map="cpu",
+        device_map=args.device,
         seed=SEED,
         enable_torch_compile=False,
     )
     compressor.quantize()
     return compressor
+
+
+def on_cpu(model: Any) -> Any:
+    """``model`` with its parameters, buffers and every tensor its modules hold as plain attributes (AutoRound keeps
+    scales and activation ranges so) on the CPU, where the export and its checks run."""
+    model.to("cpu")
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                setattr(module, key, value.to("cpu"))
+    return model
 
 
 def quantized_linears(model: Any) -> dict[str, torch.nn.Linear]:
@@ -300,13 +314,15 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         with step("calibration data (salaquant.calibration.calib_data.load_calibration)"):
-            tokenizer, samples, calib_info = calibration_samples(args.model, args.calib, args.max_samples, args.max_len)
+            tokenizer, samples, calib_info = calibration_samples(
+                args.model, args.calib, args.max_samples, args.max_len, not args.no_bos
+            )
 
         with step(f"AutoRound quantize ({args.scheme}, iters {args.iters})"):
             t0 = time.perf_counter()
             compressor = run_autoround(model, tokenizer, samples, scheme, kept, args)
             quantize_s = time.perf_counter() - t0
-            model = compressor.model
+            model = on_cpu(compressor.model)
 
         with step("export (fake-quantized weights to model.safetensors)"):
             checks, _ = export(model, args.model, args.out)
@@ -341,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": f"batch_size 1 x gradient_accumulate_steps {GRADIENT_ACCUMULATE_STEPS}",
             "seed": SEED,
             "torch_compile": False,
+            "device": args.device,
             "seconds": round(quantize_s, 1),
             "total_seconds": round(time.perf_counter() - t_start, 1),
             **checks,

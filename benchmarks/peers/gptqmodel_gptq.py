@@ -152,6 +152,7 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
 
     import salaquant.model.hf  # noqa: F401  (registers model_type minicpm_sala with transformers)
     from salaquant.calibration.calib_data import CalibOptions, load_calibration
+    from salaquant.io.reader import CheckpointReader
     from salaquant.workflow import load_tokenizer
 
     version = importlib.metadata.version("gptqmodel")
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
 
     state["where"] = "calibration: salaquant.calibration.calib_data.load_calibration"
     tok = load_tokenizer(args.model)
-    calib = load_calibration([str(args.calib)], tok, CalibOptions(max_samples=args.max_samples, max_len=args.max_len))
+    options = CalibOptions(max_samples=args.max_samples, max_len=args.max_len, bos=not args.no_bos)
+    calib = load_calibration([str(args.calib)], tok, options)
     samples = [{"input_ids": s.ids.tolist(), "attention_mask": [1] * len(s)} for s in calib]
     summary = calib.summary()
     notes.append(
@@ -231,9 +233,9 @@ def run(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
             notes.append(f"cross-check skipped: from_quantized failed ({type(exc).__name__}: {exc})")
 
     state["where"] = "dequantize and check"
-    with safe_open(str(args.model / "model.safetensors"), "pt") as f:
-        source_keys = list(f.keys())
-        source = {k: f.get_tensor(k) for k in source_keys}
+    with CheckpointReader(args.model) as reader:  # one file or the shards its index lists
+        source = {k: reader.get(k) for k in reader.keys()}  # noqa: SIM118
+    source_keys = list(source)
     bits = int(qcfg.bits)
     out_tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
@@ -350,6 +352,7 @@ def main() -> int:
     ap.add_argument("--calib", type=Path, required=True)
     ap.add_argument("--max-samples", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--no-bos", action="store_true", help="calibration samples without BOS (salaquant --no-bos)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ignore", nargs="*", default=[], help="module-name regexes kept in bf16 (GPTQModel dynamic '-:')")

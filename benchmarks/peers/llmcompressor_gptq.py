@@ -91,12 +91,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------- steps
 
 
-def calibration_dataset(model_path: Path, calib: str, max_samples: int, max_len: int) -> tuple[Any, Any, dict]:
+def calibration_dataset(
+    model_path: Path, calib: str, max_samples: int, max_len: int, bos: bool
+) -> tuple[Any, Any, dict]:
     """The tokenizer, a ``datasets.Dataset`` with one ``input_ids`` row per salaquant calibration sample,
     and the salaquant summary (samples, tokens, fingerprint)."""
     from datasets import Dataset
 
-    tokenizer, samples, info = calibration_samples(model_path, calib, max_samples, max_len)
+    tokenizer, samples, info = calibration_samples(model_path, calib, max_samples, max_len, bos)
     rows = [s.tolist() for s in samples]
     dataset = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
     return tokenizer, dataset, info
@@ -275,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         with step("calibration data (salaquant.calibration.calib_data.load_calibration)"):
-            tokenizer, dataset, calib_info = calibration_dataset(args.model, args.calib, args.max_samples, args.max_len)
+            tokenizer, dataset, calib_info = calibration_dataset(
+                args.model, args.calib, args.max_samples, args.max_len, not args.no_bos
+            )
 
         recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + [f"GPTQModifier {args.scheme}"]
         with step(f"oneshot ({' + '.join(recipe_names)}, pipeline {args.pipeline})"):

@@ -63,16 +63,17 @@ def load_hf_model(path: Path, attention_mode: str) -> Any:
 
 
 def calibration_samples(
-    model_path: Path, calib: str, max_samples: int, max_len: int
+    model_path: Path, calib: str, max_samples: int, max_len: int, bos: bool = True
 ) -> tuple[Any, list[torch.Tensor], dict[str, Any]]:
     """The tokenizer, the token sequences ``salaquant.calibration.calib_data.load_calibration`` gives (one int64
-    tensor per sample) and their summary (samples, tokens, lengths, fingerprint)."""
+    tensor per sample; each begins with BOS unless ``bos`` is false) and their summary (samples, tokens, lengths,
+    fingerprint)."""
     from transformers import AutoTokenizer
 
     from salaquant.calibration.calib_data import CalibOptions, load_calibration
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = load_calibration([calib], tokenizer, CalibOptions(max_samples=max_samples, max_len=max_len))
+    data = load_calibration([calib], tokenizer, CalibOptions(max_samples=max_samples, max_len=max_len, bos=bos))
     samples = [s.ids.to(torch.int64) for s in data]
     summary = data.summary()
     info = {
@@ -94,11 +95,12 @@ def levels_per_group(w: torch.Tensor, group_size: int) -> int:
 
 
 def read_source(source_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the source checkpoint's ``model.safetensors``, by name."""
-    from safetensors import safe_open
+    """Every tensor of the source checkpoint, by name, as salaquant reads it (one ``model.safetensors`` or the
+    shards its index lists)."""
+    from salaquant.io.reader import CheckpointReader
 
-    with safe_open(str(source_dir / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+    with CheckpointReader(source_dir) as reader:
+        return {name: reader.get(name) for name in reader.keys()}  # noqa: SIM118
 
 
 def write_checkpoint(
@@ -197,6 +199,7 @@ def peer_arguments(doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--calib", type=str, required=True, help="calibration source (as salaquant --calib)")
     ap.add_argument("--max-samples", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--no-bos", action="store_true", help="calibration samples without BOS (salaquant --no-bos)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--attention-mode",
