@@ -1,10 +1,11 @@
 """GPU time of GPTQ rounding for NVFP4 on one linear (``salaquant.nvfp4.gptq.gptq_nvfp4``) at SALA's shapes.
 
 Random heavy-tailed weights and a Hessian of 4,096 random correlated tokens, fp32 on one GPU. Timed: block scales
-chosen during the sweep on the fused kernel (the default: search and sweep share a launch per block of columns),
-the same with the search and the sweep alternating every 16 columns (the path before the fused kernel, kept as
-the PyTorch search plus the Triton sweep), and block scales fixed before the sweep. Each run's bytes are compared
-with the fused run's.
+chosen during the sweep on the fused kernel (search and sweep share a launch per block of columns) with scales
+from 0.4 to 1.5 times the plain one (``--mse-max-grow 1.5``), the same below the plain scale only (the default,
+``mse_max_grow=1``), the grown search with the search and the sweep alternating every 16 columns (the path before
+the fused kernel, kept as the PyTorch search plus the Triton sweep), and block scales fixed before the sweep. The
+alternating run's bytes are compared with the fused run's.
 
   python benchmarks/nvfp4_gptq_speed.py --out OUT
 """
@@ -19,10 +20,10 @@ import torch
 from common import write_results
 
 import salaquant.nvfp4.gptq as nvfp4_gptq
-from salaquant.formats.modelopt_nvfp4.numerics import global_scale
-from salaquant.nvfp4.search import search_block_scales
+from salaquant.nvfp4.search import search_block_scales, searched_global_scale
 
 SHAPES = {"o_proj": (4096, 4096), "down": (4096, 16384)}  # (out, in)
+GROW = 1.5  # the grown scales' largest block scale, times the plain one (--mse-max-grow 1.5)
 
 
 def _operands(out: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,16 +50,25 @@ def main() -> None:
     rows = []
     for name, (out, n) in SHAPES.items():
         w, h = _operands(out, n)
-        ws2, imp = global_scale(w.abs().amax()), torch.diag(h)
+        ws2, imp = searched_global_scale(w.abs().amax(), GROW), torch.diag(h)
         nvfp4_gptq.gptq_nvfp4(w[:64, :256], h[:256, :256], ws2, imp[:256])  # compile the kernels
-        fused_s, fused = _timed(lambda w=w, h=h, ws2=ws2, imp=imp: nvfp4_gptq.gptq_nvfp4(w, h, ws2, imp))
+
+        def run(w: torch.Tensor = w, h: torch.Tensor = h, ws2: torch.Tensor = ws2, imp: torch.Tensor = imp) -> object:
+            return nvfp4_gptq.gptq_nvfp4(w, h, ws2, imp, mse_max_grow=GROW)
+
+        fused_s, fused = _timed(run)
+        shrunk_s, _ = _timed(
+            lambda w=w, h=h, imp=imp: nvfp4_gptq.gptq_nvfp4(
+                w, h, searched_global_scale(w.abs().amax(), 1.0), imp, mse_max_grow=1.0
+            )
+        )
         fused_on_triton = nvfp4_gptq.sweep_on_triton
         nvfp4_gptq.sweep_on_triton = lambda *_: False  # the search and the sweep alternating
         try:
-            alt_s, alt = _timed(lambda w=w, h=h, ws2=ws2, imp=imp: nvfp4_gptq.gptq_nvfp4(w, h, ws2, imp))
+            alt_s, alt = _timed(run)
         finally:
             nvfp4_gptq.sweep_on_triton = fused_on_triton
-        scales = search_block_scales(w, ws2, imp).scales
+        scales = search_block_scales(w, ws2, imp, max_grow=GROW).scales
         static_s, _ = _timed(
             lambda w=w, h=h, ws2=ws2, imp=imp, s=scales: nvfp4_gptq.gptq_nvfp4(w, h, ws2, imp, block_scale=s)
         )
@@ -67,6 +77,7 @@ def main() -> None:
             "linear": name,
             "shape": [out, n],
             "fused_s": round(fused_s, 3),
+            "fused_shrunk_only_s": round(shrunk_s, 3),
             "alternating_s": round(alt_s, 3),
             "static_scales_s": round(static_s, 3),
             "speedup": round(alt_s / fused_s, 1),

@@ -9,9 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from salaquant.formats.modelopt_nvfp4.numerics import global_scale, round_block_scales
+from salaquant.formats.modelopt_nvfp4.numerics import round_block_scales
 from salaquant.kernels.gptq.nvfp4_sweep import _e4m3_bits, _e4m3_value
 from salaquant.nvfp4.gptq import gptq_nvfp4
+from salaquant.nvfp4.search import searched_global_scale
 
 
 @triton.jit
@@ -54,14 +55,17 @@ def _hessian(g: torch.Generator, n: int) -> torch.Tensor:
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
-    ("out", "n", "block_size", "mse_iters"),
+    ("out", "n", "block_size", "mse_iters", "max_grow"),
     [
-        (20, 64, 32, 80),  # the default search: every FP8 value from the plain scale down (fine mode)
-        (37, 96, 48, 5),  # coarse factors, tried one by one; a block of 48 columns in a 64-wide tile
-        (16, 64, 64, 0),  # no search: the plain scales
+        (20, 64, 32, 80, 1.5),  # the default search: FP8 values from 1.5 x the plain scale down to 0.4 x (fine)
+        (20, 64, 32, 80, 1.0),  # shrunk scales only
+        (37, 96, 48, 5, 1.5),  # coarse factors, tried one by one; a block of 48 columns in a 64-wide tile
+        (16, 64, 64, 0, 1.5),  # no search: the plain scales
     ],
 )
-def test_fused_search_writes_the_reference_bytes(out: int, n: int, block_size: int, mse_iters: int) -> None:
+def test_fused_search_writes_the_reference_bytes(
+    out: int, n: int, block_size: int, mse_iters: int, max_grow: float
+) -> None:
     """Scales chosen during the sweep, on the fused kernel (interpreted) and on the PyTorch path: the same codes,
     block scales and loss. Inputs with tiny importance and one dead input column are included; a scale chosen on
     the columns before the earlier errors reached them, or swept with another block's scale, changes bytes."""
@@ -72,9 +76,9 @@ def test_fused_search_writes_the_reference_bytes(out: int, n: int, block_size: i
     h[:, 5] = 0
     imp = torch.diag(h).clone()
     imp[7] = 1e-12
-    ws2 = global_scale(w.abs().amax())
+    ws2 = searched_global_scale(w.abs().amax(), max_grow)
     runs = [
-        gptq_nvfp4(w, h, ws2, imp, mse_iters=mse_iters, block_size=block_size, backend=be)
+        gptq_nvfp4(w, h, ws2, imp, mse_iters=mse_iters, mse_max_grow=max_grow, block_size=block_size, backend=be)
         for be in ("triton", "reference")
     ]
     a, b = (r.weight for r in runs)
@@ -92,7 +96,7 @@ def test_gpu_fused_search_matches_the_pytorch_path() -> None:
     g = torch.Generator().manual_seed(9)
     w = _weight(g, 1024, 2048).cuda()
     h = _hessian(g, 2048).cuda()
-    ws2 = global_scale(w.abs().amax())
+    ws2 = searched_global_scale(w.abs().amax(), 1.5)
     a, b = (gptq_nvfp4(w, h, ws2, torch.diag(h), backend=be) for be in ("triton", "reference"))
     same = a.weight.weight_scale.view(torch.uint8) == b.weight.weight_scale.view(torch.uint8)
     assert float(same.float().mean()) > 0.9995

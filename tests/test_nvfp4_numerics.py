@@ -27,9 +27,10 @@ from salaquant.formats.modelopt_nvfp4.numerics import (
     pack_nibbles,
     quantize_activations,
     quantize_nvfp4,
+    round_block_scales,
     unpack_nibbles,
 )
-from salaquant.nvfp4.search import search_block_scales, shrink_factors
+from salaquant.nvfp4.search import search_block_scales, searched_global_scale, shrink_factors
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +350,8 @@ def _weighted_block_err(w: torch.Tensor, q: NVFP4Weight, imp: torch.Tensor) -> t
     return (d**2 * imp.float().reshape(1, n // BLOCK, BLOCK)).sum(dim=-1)
 
 
-def test_search_never_increases_weighted_error() -> None:
+@pytest.mark.parametrize("max_grow", [1.0, 1.5])
+def test_search_never_increases_weighted_error(max_grow: float) -> None:
     g = torch.Generator().manual_seed(11)
     for trial in range(24):
         gen = _heavy if trial % 2 else _normal
@@ -360,7 +362,7 @@ def test_search_never_increases_weighted_error() -> None:
         if trial % 5 == 0:
             imp[::3] = 0.0
         s2 = global_scale(w.abs().amax().float() * (1.0 + trial % 3))
-        res = search_block_scales(w, s2, imp, iters=20)
+        res = search_block_scales(w, s2, imp, iters=20, max_grow=max_grow)
         assert res.scales.dtype == torch.float8_e4m3fn and res.scales.shape == (8, 4)
         plain = quantize_nvfp4(w, s2)
         searched = quantize_nvfp4(w, s2, res.scales)
@@ -370,7 +372,9 @@ def test_search_never_increases_weighted_error() -> None:
         assert res.error_searched <= res.error_plain
         assert res.error_plain == pytest.approx(float(err_plain.double().sum()), rel=1e-6)
         assert res.error_searched == pytest.approx(float(err_searched.double().sum()), rel=1e-6)
-        assert bool((res.scales.float() <= plain.weight_scale.float()).all())
+        raw = w.float().abs().reshape(8, 4, BLOCK).amax(dim=-1) / (6 * s2)
+        top = round_block_scales(raw * max_grow)  # the plain scale itself for max_grow 1
+        assert bool((res.scales.float() <= top.float()).all())
 
 
 def test_search_strictly_improves_heavy_tailed() -> None:
@@ -416,7 +420,7 @@ def test_search_equals_trying_every_factor(iters: int, max_shrink: float) -> Non
         imp[2 * BLOCK : 3 * BLOCK] = 0.0  # a block whose every scale scores 0: the plain one must stay
         s2 = global_scale(w.abs().amax().float()) / (1.0 if trial < 3 else 40.0)  # / 40: scales clamp at 448
         want_bits, want_err = _search_every_factor(w, s2, imp, iters, max_shrink)
-        res = search_block_scales(w, s2, imp, iters=iters, max_shrink=max_shrink)
+        res = search_block_scales(w, s2, imp, iters=iters, max_shrink=max_shrink, max_grow=1.0)
         assert torch.equal(_bits(res.scales), want_bits), trial
         assert res.error_searched == pytest.approx(float(want_err.double().sum()), rel=1e-6, abs=1e-30)
 
@@ -430,10 +434,15 @@ def test_search_tries_each_fp8_value_once(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(search, "_scale_error", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(5)
     w = _heavy((16, 128), g)
-    search_block_scales(w, global_scale(w.abs().amax()), torch.rand(128, generator=g), iters=80, max_shrink=0.6)
+    imp = torch.rand(128, generator=g)
+    search_block_scales(w, global_scale(w.abs().amax()), imp, iters=80, max_shrink=0.6, max_grow=1.0)
     assert 10 <= len(calls) <= 14  # 8 E4M3 steps per octave over log2(1 / 0.4) = 1.3 octaves, plus the plain one
+    shrunk = len(calls)
     calls.clear()
-    search_block_scales(w, global_scale(w.abs().amax()), torch.rand(128, generator=g), iters=9, max_shrink=0.6)
+    search_block_scales(w, searched_global_scale(w.abs().amax(), 1.5), imp, iters=80, max_shrink=0.6, max_grow=1.5)
+    assert shrunk + 4 <= len(calls) <= shrunk + 6  # and log2(1.5) = 0.58 octaves above the plain scale
+    calls.clear()
+    search_block_scales(w, global_scale(w.abs().amax()), imp, iters=9, max_shrink=0.6, max_grow=1.0)
     assert len(calls) == 9  # too coarse to reach every FP8 value: every factor
 
 
@@ -441,10 +450,10 @@ def test_search_one_iter_is_plain() -> None:
     g = torch.Generator().manual_seed(4)
     w = _with_specials(_heavy((16, 64), g))
     s2 = global_scale(w.abs().amax())
-    res = search_block_scales(w, s2, torch.rand(64, generator=g), iters=1)
+    res = search_block_scales(w, s2, torch.rand(64, generator=g), iters=1, max_grow=1.0)
     assert torch.equal(_bits(res.scales), _bits(block_scales(w, s2)))
     assert res.error_searched == res.error_plain
-    zero_shrink = search_block_scales(w, s2, torch.rand(64, generator=g), iters=7, max_shrink=0.0)
+    zero_shrink = search_block_scales(w, s2, torch.rand(64, generator=g), iters=7, max_shrink=0.0, max_grow=1.0)
     assert torch.equal(_bits(zero_shrink.scales), _bits(block_scales(w, s2)))
 
 
@@ -457,6 +466,11 @@ def test_shrink_factors_and_validation() -> None:
         search_block_scales(w, 1.0, torch.ones(32), iters=0)
     with pytest.raises(ValueError, match="max_shrink"):
         search_block_scales(w, 1.0, torch.ones(32), max_shrink=1.0)
+    with pytest.raises(ValueError, match="max_grow"):
+        search_block_scales(w, 1.0, torch.ones(32), max_grow=0.9)
+    with pytest.raises(ValueError, match="max_grow"):
+        searched_global_scale(torch.tensor(1.0), 0.5)
+    assert float(searched_global_scale(torch.tensor(2688.0), 1.5)) == 1.5  # amax / (6 * 448) * max_grow
     with pytest.raises(ValueError, match="shape"):
         search_block_scales(w, 1.0, torch.ones(16))
     with pytest.raises(ValueError, match=">= 0"):
@@ -473,8 +487,15 @@ def _ref_round(a: float) -> float:
     return E2M1_GRID[idx[0] if len(idx) == 1 else next(i for i in idx if i % 2 == 0)]
 
 
-def _ref_search(w: torch.Tensor, s2: torch.Tensor, imp: torch.Tensor, iters: int, max_shrink: float) -> torch.Tensor:
-    """Per-block, per-factor loop of the block-scale search; float8 scales ``[out, in / 16]``."""
+_E4M3_POSITIVE = list(torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn))
+"""Every positive finite float8_e4m3fn value, in increasing order."""
+
+
+def _ref_search(
+    w: torch.Tensor, s2: torch.Tensor, imp: torch.Tensor, iters: int, max_shrink: float, max_grow: float = 1.0
+) -> torch.Tensor:
+    """Per-block, per-factor loop of the block-scale search, then every FP8 value above the plain scale up to
+    ``max_grow`` times it, smallest first; float8 scales ``[out, in / 16]``."""
     out, n = w.shape
     w = w.float()
     result = torch.empty(out, n // BLOCK, dtype=torch.float8_e4m3fn)
@@ -484,11 +505,15 @@ def _ref_search(w: torch.Tensor, s2: torch.Tensor, imp: torch.Tensor, iters: int
             ib = imp[b * BLOCK : (b + 1) * BLOCK].float()
             raw = blk.abs().max() / (6.0 * s2)
             best_s, best_e = None, None
-            for t in range(iters):
-                f = 1.0 - max_shrink * t / (iters - 1) if iters > 1 else 1.0
-                c = raw * f
+
+            def fp8(c: torch.Tensor) -> torch.Tensor:
                 c = torch.ones_like(c) if float(c) == 0.0 else c
-                s = c.clamp(FP8_MIN_SCALE, FP8_MAX).to(torch.float8_e4m3fn)
+                return c.clamp(FP8_MIN_SCALE, FP8_MAX).to(torch.float8_e4m3fn)
+
+            plain, top = fp8(raw), fp8(raw * max_grow)
+            grown = [v for v in _E4M3_POSITIVE if float(plain.float()) < float(v.float()) <= float(top.float())]
+            shrunk = [fp8(raw * (1.0 - max_shrink * t / (iters - 1) if iters > 1 else 1.0)) for t in range(iters)]
+            for s in shrunk + grown:
                 div = s.float() * s2
                 scaled = blk / div
                 w_hat = torch.tensor([_ref_round(abs(float(v))) * (-1 if v < 0 else 1) for v in scaled]) * div
@@ -504,6 +529,55 @@ def test_search_matches_per_block_reference() -> None:
     w = _with_specials(_heavy((8, 48), g))
     imp = torch.rand(48, generator=g) * torch.exp(torch.randn(48, generator=g))
     s2 = global_scale(w.abs().amax())
-    res = search_block_scales(w, s2, imp, iters=12, max_shrink=0.6)
-    assert torch.equal(_bits(res.scales), _bits(_ref_search(w, s2, imp, 12, 0.6)))
-    assert res.error_searched < res.error_plain
+    for max_grow in (1.0, 1.5):
+        res = search_block_scales(w, s2, imp, iters=12, max_shrink=0.6, max_grow=max_grow)
+        assert torch.equal(_bits(res.scales), _bits(_ref_search(w, s2, imp, 12, 0.6, max_grow))), max_grow
+        assert res.error_searched < res.error_plain
+
+
+def test_grown_scale_by_hand() -> None:
+    """One block: 6 then fifteen 5s, global scale 1 (plain block scale 1). By hand, importance 1: the plain scale
+    puts every 5 on 4 (a tie, to the even index): error 15. Shrunk scales do best at 0.875 (6 -> 6.86 -> 6 x 0.875
+    = 5.25, each 5 -> 5.71 -> 5.25): 0.5625 + 15 x 0.0625 = 1.5. Grown ones: 1.25 puts each 5 on 4 exactly and 6
+    on 4.8 -> 4 (5.0): error 1.0; 1.5 gives 6 exactly and each 5 at 4.5: 3.75. The search with growth takes 1.25,
+    error 1.0; without it 0.875, error 1.5."""
+    w = torch.tensor([[6.0] + [5.0] * 15])
+    imp = torch.ones(16)
+    grown = search_block_scales(w, 1.0, imp, iters=80, max_shrink=0.6, max_grow=1.5)
+    assert float(grown.scales.float()) == 1.25
+    assert grown.error_searched == pytest.approx(1.0) and grown.error_plain == pytest.approx(15.0)
+    shrunk = search_block_scales(w, 1.0, imp, iters=80, max_shrink=0.6, max_grow=1.0)
+    assert float(shrunk.scales.float()) == 0.875 and shrunk.error_searched == pytest.approx(1.5)
+
+
+def test_grown_scales_are_the_least_error_in_range() -> None:
+    """Against every positive FP8 value scored one by one: the search's scale is one whose error is the least among
+    the values from the smallest factor's scale to ``max_grow`` times the plain one (global scales with the
+    search's headroom and without it, where the largest blocks' grown scales clamp at 448)."""
+    g = torch.Generator().manual_seed(31)
+    values = torch.stack(_E4M3_POSITIVE).float()
+    for trial in range(4):
+        w = (_heavy if trial % 2 else _normal)((6, 64), g)
+        imp = torch.rand(64, generator=g) * 3
+        s2 = searched_global_scale(w.abs().amax(), 1.5) if trial < 2 else global_scale(w.abs().amax())
+        res = search_block_scales(w, s2, imp, iters=80, max_shrink=0.6, max_grow=1.5)
+        wb = w.reshape(6, 4, BLOCK)
+        raw = wb.abs().amax(dim=-1) / (6 * s2)
+        lo, top = round_block_scales(raw * 0.4).float(), round_block_scales(raw * 1.5).float()
+        step = values[:, None, None, None] * s2  # [126, out, nb, 1]
+        w_hat = (
+            torch.tensor(
+                [
+                    [[_ref_round(abs(v)) for v in row] for row in cand]
+                    for cand in (wb[None] / step).reshape(126, 6, 64).tolist()
+                ]
+            ).reshape(126, 6, 4, BLOCK)
+            * wb.sign()[None]
+            * step
+        )
+        err = ((wb[None] - w_hat) ** 2 * imp.reshape(1, 1, 4, BLOCK)).sum(dim=-1)  # [126, out, nb]
+        allowed = (values[:, None, None] >= lo[None]) & (values[:, None, None] <= top[None])
+        least = torch.where(allowed, err, torch.inf).amin(dim=0)
+        chosen = _weighted_block_err(w, quantize_nvfp4(w, s2, res.scales), imp)
+        assert bool(((res.scales.float() >= lo) & (res.scales.float() <= top)).all()), trial
+        torch.testing.assert_close(chosen, least, rtol=1e-5, atol=1e-12)

@@ -1,20 +1,24 @@
-"""NVFP4 rounding: to the nearest E2M1 value, or GPTQ's column sweep (block scales before it or during it), decided
-on a validation text.
+"""NVFP4 rounding and block scales, decided on a validation text: to the nearest E2M1 value or GPTQ's column sweep
+(block scales before it or during it), and block scales searched below the plain one only or above it too.
 
 Every variant goes through ``salaquant nvfp4`` (default exclusions and ``--dense-all``) with the calibration set
 ``benchmarks/quality.py`` uses (32 samples of at most 2048 tokens) and is scored on the validation text and the
 held-out windows of ``scoring.py`` (the model's held-out documents not in the shipped sample, and exactly
 quality.py's windows), twice: W4A4 (the runtime with ``activations="fp4"``, as Blackwell runs the export) and
-weight-only (the project's loader, as Hopper's FP4 Marlin runs it). Candidates: ``--rounding nearest`` (the
-incumbent), ``--rounding gptq`` with the searched block scales fixed before the sweep (``--static-scales``) and with
-each block's scales searched as the sweep reaches it (``--sweep-scales``).
+weight-only (the project's loader, as Hopper's FP4 Marlin runs it). Candidates: ``--rounding nearest``, ``--rounding
+gptq`` with the searched block scales fixed before the sweep (``--static-scales``) and with each block's scales
+searched as the sweep reaches it (``--sweep-scales``), each searching scales from the plain one down
+(``--mse-max-grow 1``); and the last with scales up to 1.5 times the plain one too (``--mse-max-grow 1.5``).
 
 Rule, fixed before any run: the candidate with the least mean per-token W4A4 KL(bf16 || quantized) on the
-validation text, averaged over the default and the dense-all exports, replaces the incumbent only if lower by more
-than one pooled paired standard error over the windows of both exports (``scoring.decide``). The held-out and the
-weight-only figures only confirm.
+validation text, averaged over the default and the dense-all exports, replaces the incumbent (``--incumbent``: the
+default before the decision) only if lower by more than one pooled paired standard error over the windows of both
+exports (``scoring.decide``). The held-out and the weight-only figures only confirm. Decided: GPTQ rounding with
+scales during the sweep over nearest (incumbent ``nearest``, docs/nvfp4.md); to decide: grown scales over shrunk
+only (incumbent ``gptq, scales during the sweep``, ``--only grown``).
 
-  python benchmarks/studies/nvfp4_gptq.py --out OUT [--device cuda] [--val-windows N]
+  python benchmarks/studies/nvfp4_gptq.py --out OUT [--device cuda] [--val-windows N] [--incumbent NAME]
+      [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -47,11 +51,13 @@ from salaquant.nvfp4.layer import NVFP4LayerOptions
 from salaquant.runtime.load import load
 
 EXCLUSIONS = (("default", False), ("dense-all", True))
-INCUMBENT = "nearest"
 VARIANTS: dict[str, NVFP4LayerOptions] = {
-    INCUMBENT: NVFP4LayerOptions(rounding="nearest"),  # the default when this study chose GPTQ rounding
-    "gptq, scales before the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=True),
-    "gptq, scales during the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=False),
+    "nearest": NVFP4LayerOptions(rounding="nearest", mse_max_grow=1.0),  # the default before GPTQ rounding
+    "gptq, scales before the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=True, mse_max_grow=1.0),
+    "gptq, scales during the sweep": NVFP4LayerOptions(rounding="gptq", static_scales=False, mse_max_grow=1.0),
+    "gptq, scales during the sweep, grown to 1.5x": NVFP4LayerOptions(
+        rounding="gptq", static_scales=False, mse_max_grow=1.5
+    ),
 }
 WATCHED = (
     "salaquant/nvfp4/gptq.py",
@@ -68,6 +74,7 @@ def main() -> None:
     ap = scoring_arguments(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", nargs="*", help="run only these candidates (name substrings; the incumbent always runs)")
+    ap.add_argument("--incumbent", default="nearest", choices=list(VARIANTS), help="the default the rule defends")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -82,9 +89,14 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     for name, opts in VARIANTS.items():
-        if args.only and name != INCUMBENT and not any(k in name for k in args.only):
+        if args.only and name != args.incumbent and not any(k in name for k in args.only):
             continue
-        row: dict[str, Any] = {"variant": name, "rounding": opts.rounding, "static_scales": opts.static_scales}
+        row: dict[str, Any] = {
+            "variant": name,
+            "rounding": opts.rounding,
+            "static_scales": opts.static_scales,
+            "mse_max_grow": opts.mse_max_grow,
+        }
         for ex, dense_all in EXCLUSIONS:
             export = args.out / "exports" / f"{slug(name)}-{ex}"
             run = NVFP4RunOptions(dense_all=dense_all, device=dev, show_progress=False, overwrite=True)
@@ -103,7 +115,7 @@ def main() -> None:
                 f"(quantize {quantize_s:.0f} s)"
             )
         rows.append(row)
-    decision = decide(rows, INCUMBENT, EXCLUSIONS)
+    decision = decide(rows, args.incumbent, EXCLUSIONS)
     console.print(f"decision: {decision}")
     state_end = source_state(WATCHED)
     for r in rows:
@@ -122,8 +134,8 @@ def main() -> None:
         "validation": {**val_info, "windows": len(val.wins)},
         "heldout": {"windows": len(held.wins)},
         "window_tokens": args.window_len,
-        "rule": "least mean validation W4A4 KL over both exports; replaces the incumbent only if lower by > 1 pooled "
-        "paired SE",
+        "rule": f"least mean validation W4A4 KL over both exports; replaces the incumbent ({args.incumbent}) only if "
+        "lower by > 1 pooled paired SE",
         "rows": rows,
         "decision": decision,
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),

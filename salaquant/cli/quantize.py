@@ -93,6 +93,7 @@ NVFP4_OPTIONS = (
     ("dense_all", bool, "Quantize the minicpm4 attention blocks too."),
     ("mse_iters", int, "Block-scale search steps (0: plain scales)."),
     ("mse_max_shrink", float, "Smallest tried block scale = 1 - this."),
+    ("mse_max_grow", float, "Largest tried block scale = this x the plain one (1: none)."),
     ("input_scale", str, "Activation global scale: max (ModelOpt's) or mse (least FP4 error, slower)."),
     ("rounding", str, "gptq (error feedback over the input Hessian), or nearest (faster calibration)."),
     ("static_scales", bool, "gptq: block scales before the sweep, or as it goes.", ("--static-scales/--sweep-scales",)),

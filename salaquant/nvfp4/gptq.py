@@ -52,10 +52,12 @@ def _steps(scale: torch.Tensor, s2: torch.Tensor, i1: int, i2: int, dtype: torch
     return per_block.repeat_interleave(BLOCK, dim=1)[:, : i2 - i1].to(dtype).contiguous()
 
 
-def _scales(w: torch.Tensor, s2: torch.Tensor, importance: torch.Tensor, iters: int, max_shrink: float) -> torch.Tensor:
+def _scales(
+    w: torch.Tensor, s2: torch.Tensor, importance: torch.Tensor, iters: int, max_shrink: float, max_grow: float
+) -> torch.Tensor:
     """float8_e4m3fn block scales of ``w [out, k * 16]``: searched when ``iters > 0``, else the plain ones."""
     if iters > 0:
-        return search_block_scales(w, s2, importance, iters=iters, max_shrink=max_shrink).scales
+        return search_block_scales(w, s2, importance, iters, max_shrink, max_grow).scales
     return block_scales(w, s2)
 
 
@@ -69,6 +71,7 @@ def gptq_nvfp4(
     block_scale: torch.Tensor | None = None,
     mse_iters: int = _DEFAULTS.nvfp4.mse_iters,
     mse_max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink,
+    mse_max_grow: float = _DEFAULTS.nvfp4.mse_max_grow,
     damp: float = GPTQConfig.damp,
     block_size: int = GPTQConfig.block_size,
     fp64: bool = False,
@@ -114,6 +117,7 @@ def gptq_nvfp4(
     fine = mse_iters > 0 and fine_search(factors, mse_max_shrink)
     fused_ok = block_scale is None and float(s2) > 0  # the fused search divides by the global scale
     factors_t = torch.tensor(factors, dtype=torch.float32, device=w.device)
+    grow = mse_max_grow if mse_iters > 0 else 1.0  # the plain scales alone without a search
     hinv, used_damp = inverse_cholesky(h, GPTQConfig(damp=damp, fp64=fp64))
     hinv = hinv.contiguous()  # row-major: the column sweep reads rows of it
     codes = torch.empty(n_out, n, dtype=torch.int32, device=w.device)
@@ -128,13 +132,13 @@ def gptq_nvfp4(
             from ..kernels.gptq.nvfp4_sweep import gptq_nvfp4_search_triton
 
             bits = scale[:, i1 // BLOCK : i2 // BLOCK].view(torch.uint8)
-            gptq_nvfp4_search_triton(block, bits, s2, imp[i1:i2], factors_t, fine)
+            gptq_nvfp4_search_triton(block, bits, s2, imp[i1:i2], factors_t, fine, grow)
         else:
             for b0 in range(0, i2 - i1, BLOCK):  # the block's columns as every earlier column's error left them
                 col = i1 + b0
                 b = col // BLOCK
                 scale[:, b : b + 1] = _scales(
-                    w1[:, b0 : b0 + BLOCK].float(), s2, imp[col : col + BLOCK], mse_iters, mse_max_shrink
+                    w1[:, b0 : b0 + BLOCK].float(), s2, imp[col : col + BLOCK], mse_iters, mse_max_shrink, mse_max_grow
                 )
                 steps = _steps(scale, s2, i1, i2, dtype)
                 gptq_columns(block, steps, b0, b0 + BLOCK, backend)

@@ -35,7 +35,7 @@ from ..smooth.fold import fold_scales, smooth_scales, smoothable, transform_hess
 from .gptq import gptq_nvfp4
 from .input_scale import INPUT_SCALE_RULES, InputScaleSearch, search_stride
 from .plan import NVFP4Plan
-from .search import search_block_scales
+from .search import search_block_scales, searched_global_scale
 
 _DEFAULTS = defaults("nvfp4")
 _SMOOTH = smoothing_for(_DEFAULTS)
@@ -51,6 +51,7 @@ class NVFP4LayerOptions:
 
     mse_iters: int = _DEFAULTS.nvfp4.mse_iters  # 0: plain block scales
     mse_max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink
+    mse_max_grow: float = _DEFAULTS.nvfp4.mse_max_grow
     smooth_alpha: float | None = _SMOOTH[0]  # None: no smoothing
     smooth_groups: tuple[str, ...] = _SMOOTH[1]
     input_scale: str = _DEFAULTS.nvfp4.input_scale  # "max" (ModelOpt's rule) or "mse"
@@ -77,8 +78,8 @@ class NVFP4LayerQuantizer:
     ) -> None:
         """``calibration_tokens``: the tokens every layer sees (sets the ``mse`` input-scale search's stride);
         ``ranks``: the processes the linears' quantization is spread over."""
-        if options.mse_iters < 0 or not 0.0 <= options.mse_max_shrink < 1.0:
-            raise ValueError("--mse-iters must be >= 0 and --mse-max-shrink in [0, 1)")
+        if options.mse_iters < 0 or not 0.0 <= options.mse_max_shrink < 1.0 or not options.mse_max_grow >= 1.0:
+            raise ValueError("--mse-iters must be >= 0, --mse-max-shrink in [0, 1) and --mse-max-grow >= 1")
         if options.input_scale not in INPUT_SCALE_RULES:
             raise ValueError(f"--input-scale {options.input_scale!r}: expected {' or '.join(INPUT_SCALE_RULES)}")
         if options.rounding not in ROUNDINGS:
@@ -138,14 +139,16 @@ class NVFP4LayerQuantizer:
         """One linear's NVFP4 tensors (and ``dequantized``, what the layer propagates with) and report entry;
         ``hessian`` (the smoothed inputs') for GPTQ rounding."""
         w = mod.weight.data.float()
-        ws2 = global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
+        ws2 = self._global_scale(w.abs().amax().clamp(min=_TINY)) if ws2 is None else ws2
         t0 = time.perf_counter()
         plain = quantize_nvfp4(w, weight_scale_2=ws2)
         err_plain = _weighted_error(w, plain.dequantize(), msq)
         q = plain
         searched = None
         if self.opts.mse_iters > 0:
-            found = search_block_scales(w, ws2, msq, iters=self.opts.mse_iters, max_shrink=self.opts.mse_max_shrink)
+            found = search_block_scales(
+                w, ws2, msq, self.opts.mse_iters, self.opts.mse_max_shrink, self.opts.mse_max_grow
+            )
             searched = found.scales
             q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=searched)
         nearest = q
@@ -158,6 +161,7 @@ class NVFP4LayerQuantizer:
                 block_scale=(q.weight_scale if self.opts.static_scales else None),
                 mse_iters=self.opts.mse_iters,
                 mse_max_shrink=self.opts.mse_max_shrink,
+                mse_max_grow=self.opts.mse_max_grow,
             )
             q = solved.weight
         if w.is_cuda:
@@ -186,6 +190,10 @@ class NVFP4LayerQuantizer:
             entry["hessian_rel_err_nearest"] = error_ratio(weighted_error(w, nearest.dequantize(), h), total_h)
         return tensors, {name: entry}
 
+    def _global_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The weight's global scale: ModelOpt's, with the search's room for grown block scales when it runs."""
+        return searched_global_scale(amax, self.opts.mse_max_grow) if self.opts.mse_iters > 0 else global_scale(amax)
+
     @staticmethod
     def _hessian(stats: GroupStats, smoothing: torch.Tensor | None) -> torch.Tensor:
         """The group's input Hessian as the (smoothed) linears see it."""
@@ -204,7 +212,7 @@ class NVFP4LayerQuantizer:
         for fused, ms in FUSED_PARAMETERS.items():
             if all(prefix + m in self.plan.quantized for m in ms):
                 amax = torch.stack([layer.get_submodule(m).weight.detach().float().abs().amax() for m in ms]).amax()
-                shared_ws2[fused] = global_scale(amax.clamp(min=_TINY))
+                shared_ws2[fused] = self._global_scale(amax.clamp(min=_TINY))
 
         searches: dict[str, tuple[InputScaleSearch, list[str]]] = {}
         jobs: list[Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]] = []

@@ -1,6 +1,12 @@
-"""The NVFP4 block-scale search: per 16-weight block, the FP8 scale at or below the plain one that minimises the
-importance-weighted squared error of the dequantized weights (the importance is the Hessian diagonal of the
-calibration inputs). It produces scales; the bytes they are stored as are ``salaquant.formats.modelopt_nvfp4``'s.
+"""The NVFP4 block-scale search: per 16-weight block, the FP8 scale between ``1 - max_shrink`` and ``max_grow`` times
+the plain one that minimises the importance-weighted squared error of the dequantized weights (the importance is
+the Hessian diagonal of the calibration inputs). It produces scales; the bytes they are stored as are
+``salaquant.formats.modelopt_nvfp4``'s.
+
+A scale above the plain one maps the block's largest weight below E2M1's 6, e.g. onto 4 at 1.5 times it, where the
+grid is twice as fine (4 is followed by 6): for a block whose other weights fall between grid points that can cost
+the largest weight nothing and the rest less. The caller leaves room for it under FP8's 448 by a global scale
+``max_grow`` times ModelOpt's (``searched_global_scale``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from ..formats.modelopt_nvfp4.numerics import (
     as_fp32,
     block_round,
     check_weight,
+    global_scale,
     raw_block_scales,
     round_block_scales,
     scalar_scale,
@@ -21,7 +28,7 @@ from ..formats.modelopt_nvfp4.numerics import (
 )
 from ..settings import defaults
 
-__all__ = ["SearchResult", "fine_search", "search_block_scales", "shrink_factors"]
+__all__ = ["SearchResult", "fine_search", "search_block_scales", "searched_global_scale", "shrink_factors"]
 
 _DEFAULTS = defaults("nvfp4")
 
@@ -49,6 +56,14 @@ def shrink_factors(iters: int, max_shrink: float) -> list[float]:
     return [1.0 - max_shrink * t / (iters - 1) for t in range(iters)]
 
 
+def searched_global_scale(amax: torch.Tensor, max_grow: float) -> torch.Tensor:
+    """The global scale the search works under: ModelOpt's ``amax / (6 * 448)`` times ``max_grow``, so that the
+    tensor's largest block can take ``max_grow`` times its plain scale before FP8's 448 clamps it."""
+    if not max_grow >= 1.0:
+        raise ValueError(f"max_grow must be >= 1, got {max_grow}")
+    return global_scale(amax) if max_grow == 1.0 else global_scale(amax) * max_grow
+
+
 def fine_search(factors: list[float], max_shrink: float) -> bool:
     """Whether ``factors`` are fine enough that trying every FP8 value from the plain scale down to the smallest
     factor's finds what trying every factor would (see ``search_block_scales``)."""
@@ -61,8 +76,9 @@ def search_block_scales(
     importance: torch.Tensor,
     iters: int = _DEFAULTS.nvfp4.mse_iters,
     max_shrink: float = _DEFAULTS.nvfp4.mse_max_shrink,
+    max_grow: float = _DEFAULTS.nvfp4.mse_max_grow,
 ) -> SearchResult:
-    """Per-block search of the shrink factor minimising ``sum_j (w_j - w_hat_j)^2 * importance_j``.
+    """Per-block search of the scale minimising ``sum_j (w_j - w_hat_j)^2 * importance_j``.
 
     Each candidate scale is ``block_scales(w, weight_scale_2, shrink=f)`` for ``f`` in
     ``shrink_factors(iters, max_shrink)``; a block keeps the first (largest) factor reaching its least error, so
@@ -74,9 +90,15 @@ def search_block_scales(
     below the narrowest rounding interval there), those values are tried directly, largest first, one pass each:
     the same scales and errors as trying every factor, in a fraction of the passes. Otherwise every factor is
     tried, one pass each.
+
+    Then every FP8 value above the plain scale up to ``max_grow`` times it, smallest first (``max_grow = 1``: none);
+    a block takes one only where it is strictly better than the best below, so the plain scale and then the
+    shrunk ones win ties.
     """
     check_weight(w)
     factors = shrink_factors(iters, max_shrink)
+    if not max_grow >= 1.0:
+        raise ValueError(f"max_grow must be >= 1, got {max_grow}")
     n = w.shape[1]
     imp = as_fp32(importance, w.device)
     if tuple(imp.shape) != (n,):
@@ -91,6 +113,8 @@ def search_block_scales(
         best_bits, best_err, plain_err = _search_fp8_values(wb, raw, imp, s2, factors[-1])
     else:
         best_bits, best_err, plain_err = _search_factors(wb, raw, imp, s2, factors)
+    if max_grow > 1.0:
+        best_bits, best_err = _search_grown(wb, raw, imp, s2, max_grow, best_bits, best_err)
     return SearchResult(
         scales=best_bits.view(torch.float8_e4m3fn),
         error_plain=float(plain_err.double().sum()),
@@ -144,3 +168,28 @@ def _search_fp8_values(
         best_err = torch.where(better, err, best_err)
         best_bits = torch.where(better, bits, best_bits)
     return best_bits, best_err, plain_err
+
+
+def _search_grown(
+    wb: torch.Tensor,
+    raw: torch.Tensor,
+    imp: torch.Tensor,
+    s2: torch.Tensor,
+    max_grow: float,
+    best_bits: torch.Tensor,
+    best_err: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every FP8 value above each block's plain scale up to ``max_grow`` times it, smallest first, against the best
+    so far: step ``t`` tries ``plain bits + t`` where that is still at or below the largest's bits (448 at most)."""
+    hi = round_block_scales(raw).view(torch.uint8).to(torch.int16)
+    top = round_block_scales(raw * max_grow).view(torch.uint8).to(torch.int16)
+    steps = int((top - hi).max()) if hi.numel() else 0
+    for t in range(1, steps + 1):
+        cand = hi + t
+        valid = cand <= top  # top <= 0x7E (448): candidates stay finite
+        bits = torch.where(valid, cand, hi).to(torch.uint8)
+        err = _scale_error(wb, bits.view(torch.float8_e4m3fn), imp, s2)
+        better = valid & (err < best_err)
+        best_err = torch.where(better, err, best_err)
+        best_bits = torch.where(better, bits, best_bits)
+    return best_bits, best_err

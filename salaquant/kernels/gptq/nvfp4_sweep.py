@@ -8,8 +8,9 @@ scores the candidate scales of its rows there before sweeping the block's column
 
 The candidates are the search's: every FP8 (E4M3) value from the plain scale (``amax / (6 * weight_scale_2)``,
 rounded) down to that of the smallest shrink factor, largest first (``FINE``, the search's fine mode), or the
-rounded scale of each shrink factor in order. Each is scored by the importance-weighted squared error of the
-block's E2M1 rounding under it; a later candidate must be strictly better. Every operation rounds as the PyTorch
+rounded scale of each shrink factor in order; then every FP8 value above the plain scale up to ``max_grow`` times it,
+smallest first. Each is scored by the importance-weighted squared error of the block's E2M1 rounding under it; a
+later candidate must be strictly better. Every operation rounds as the PyTorch
 path does (FP8 rounding from the exponent bits and round-half-even, correctly rounded divisions, no fused
 multiply-add), so the two differ only in the order of the 16-term error sums: where two candidates' errors tie to
 the last bits a row may keep the other one.
@@ -54,6 +55,18 @@ def _e4m3_value(bits):
 
 
 @triton.jit
+def _keep_better(w, cand, valid, s2, in_block, imp, best_err, best):
+    """Score candidate scale bits ``cand [BLOCK_R]`` by the importance-weighted squared error of the block's E2M1
+    rounding under them; where ``valid`` and strictly better than ``best_err``, they replace ``best``."""
+    step = _e4m3_value(cand) * s2
+    _, value = _e2m1(tl.math.div_rn(w, step[:, None]))
+    d = w - value * step[:, None]
+    err = tl.sum(tl.where(in_block, d * d * imp[None, :], 0.0), axis=1)
+    better = valid & (err < best_err)
+    return tl.where(better, err, best_err), tl.where(better, cand, best)
+
+
+@triton.jit
 def _nvfp4_sweep_search_kernel(
     W,
     Q,
@@ -63,6 +76,7 @@ def _nvfp4_sweep_search_kernel(
     IMP,
     F,
     s2,
+    max_grow,
     R,
     C,
     n_factors,
@@ -105,13 +119,11 @@ def _nvfp4_sweep_search_kernel(
                 else:
                     valid = rows >= 0
                     cand = _e4m3_bits(raw * tl.load(F + t))
-                step = _e4m3_value(cand) * s2
-                _, value = _e2m1(tl.math.div_rn(w, step[:, None]))
-                d = w - value * step[:, None]
-                err = tl.sum(tl.where(in_block, d * d * imp[None, :], 0.0), axis=1)
-                better = valid & (err < best_err)
-                best_err = tl.where(better, err, best_err)
-                best = tl.where(better, cand, best)
+                best_err, best = _keep_better(w, cand, valid, s2, in_block, imp, best_err, best)
+            top = _e4m3_bits(raw * max_grow)
+            for t in range(1, tl.max(tl.where(rmask, top - hi, 0), axis=0) + 1):  # grown scales, smallest first
+                valid = hi + t <= top
+                best_err, best = _keep_better(w, tl.where(valid, hi + t, hi), valid, s2, in_block, imp, best_err, best)
             sj = _e4m3_value(best) * s2
             tl.store(SB + rows * stride_sb + j // 16, best.to(tl.uint8), mask=rmask)
         sel = cols[None, :] == j
@@ -134,12 +146,13 @@ def gptq_nvfp4_search_triton(
     importance: torch.Tensor,
     factors: torch.Tensor,
     fine: bool,
+    max_grow: float = 1.0,
 ) -> None:
     """Sweep every column of the E2M1 ``block`` ``[R, C]`` (``C`` a multiple of 16), choosing each 16-column
     block's scale first: its bit pattern goes to ``scale_bits`` (uint8 ``[R, C / 16]``), the codes, errors and
     updated columns to ``block``. ``weight_scale_2`` is the fp32 global scale (0-d, positive), ``importance [C]``
     the fp32 weights of the error, ``factors`` the fp32 shrink factors (largest first; only the last is read when
-    ``fine``)."""
+    ``fine``), ``max_grow`` the largest grown scale as a multiple of the plain one (1: none)."""
     w1 = block.w1
     r, c = w1.shape
     if not block.e2m1 or w1.dtype != torch.float32 or c % SCALE_BLOCK:
@@ -162,6 +175,7 @@ def gptq_nvfp4_search_triton(
         importance.contiguous(),
         factors.contiguous(),
         float(weight_scale_2),
+        float(max_grow),
         r,
         c,
         factors.numel(),
