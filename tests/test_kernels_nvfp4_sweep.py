@@ -89,15 +89,15 @@ def test_fused_search_writes_the_reference_bytes(
 
 @pytest.mark.gpu
 def test_gpu_fused_search_matches_the_pytorch_path() -> None:
-    """At a SALA width on the GPU (one block of 128 columns per launch, 1,024 rows): the fused kernel and the
-    PyTorch path choose the same block scales and write the same codes. The 16-term error sums run in other
+    """At a SALA width on the GPU (one block of 128 columns per launch, 1,024 rows), scales grown up to 1.5x too:
+    the fused kernel and the PyTorch path choose the same block scales and write the same codes. The 16-term error sums run in other
     orders on the two, so a row whose two best candidates tie to the last bit may differ: allowed for a few
     scales in ten thousand, with the Hessian loss within 1e-4."""
     g = torch.Generator().manual_seed(9)
     w = _weight(g, 1024, 2048).cuda()
     h = _hessian(g, 2048).cuda()
     ws2 = searched_global_scale(w.abs().amax(), 1.5)
-    a, b = (gptq_nvfp4(w, h, ws2, torch.diag(h), backend=be) for be in ("triton", "reference"))
+    a, b = (gptq_nvfp4(w, h, ws2, torch.diag(h), mse_max_grow=1.5, backend=be) for be in ("triton", "reference"))
     same = a.weight.weight_scale.view(torch.uint8) == b.weight.weight_scale.view(torch.uint8)
     assert float(same.float().mean()) > 0.9995
     assert a.loss == pytest.approx(b.loss, rel=1e-4)
