@@ -90,9 +90,9 @@ def test_fused_search_writes_the_reference_bytes(
 @pytest.mark.gpu
 def test_gpu_fused_search_matches_the_pytorch_path() -> None:
     """At a SALA width on the GPU (one block of 128 columns per launch, 1,024 rows), scales grown up to 1.5x too:
-    the fused kernel and the PyTorch path choose the same block scales and write the same codes. The 16-term error sums run in other
-    orders on the two, so a row whose two best candidates tie to the last bit may differ: allowed for a few
-    scales in ten thousand, with the Hessian loss within 1e-4."""
+    the fused kernel and the PyTorch path choose the same block scales and write the same codes. The 16-term error
+    sums run in other orders on the two, so a row whose two best candidates tie to the last bit may differ: allowed
+    for a few scales in ten thousand, with the Hessian loss within 1e-4."""
     g = torch.Generator().manual_seed(9)
     w = _weight(g, 1024, 2048).cuda()
     h = _hessian(g, 2048).cuda()
