@@ -122,7 +122,7 @@ class NVFP4Section(_Section):
     mse_iters: int = Field(80, ge=0, le=10000)
     mse_max_shrink: float = Field(0.6, ge=0.0, lt=1.0)
     mse_max_grow: float = Field(
-        1.0,
+        1.5,
         ge=1.0,
         le=4.0,
         description="largest tried block scale, as a multiple of the plain one (the global scale leaves it room; "

@@ -13,9 +13,9 @@ searched as the sweep reaches it (``--sweep-scales``), each searching scales fro
 Rule, fixed before any run: the candidate with the least mean per-token W4A4 KL(bf16 || quantized) on the
 validation text, averaged over the default and the dense-all exports, replaces the incumbent (``--incumbent``: the
 default before the decision) only if lower by more than one pooled paired standard error over the windows of both
-exports (``scoring.decide``). The held-out and the weight-only figures only confirm. Decided: GPTQ rounding with
-scales during the sweep over nearest (incumbent ``nearest``, docs/nvfp4.md); to decide: grown scales over shrunk
-only (incumbent ``gptq, scales during the sweep``, ``--only grown``).
+exports (``scoring.decide``). The held-out and the weight-only figures only confirm. Decided (docs/nvfp4.md): GPTQ
+rounding with scales during the sweep over nearest (incumbent ``nearest``), then grown scales over shrunk only
+(incumbent ``gptq, scales during the sweep``, ``--only grown``).
 
   python benchmarks/studies/nvfp4_gptq.py --out OUT [--device cuda] [--val-windows N] [--incumbent NAME]
       [--only NAME ...]
@@ -74,7 +74,12 @@ def main() -> None:
     ap = scoring_arguments(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", nargs="*", help="run only these candidates (name substrings; the incumbent always runs)")
-    ap.add_argument("--incumbent", default="nearest", choices=list(VARIANTS), help="the default the rule defends")
+    ap.add_argument(
+        "--incumbent",
+        default="gptq, scales during the sweep, grown to 1.5x",
+        choices=list(VARIANTS),
+        help="the default the rule defends",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
