@@ -550,6 +550,15 @@ def test_grown_scale_by_hand() -> None:
     assert float(shrunk.scales.float()) == 0.875 and shrunk.error_searched == pytest.approx(1.5)
 
 
+def test_grown_scale_reaches_its_largest_candidate() -> None:
+    """A block that E2M1 fits exactly at 1.5 times its plain scale (global scale 1, plain block scale 1): 1.5 x
+    [4, 3, 2, 1.5, 1, 0.5, 0...]. Scale 1.5 gives error 0; the plain 1 puts 4.5 between 4 and 6, and 1.125 to
+    1.375 put 6 off the grid, so with ``max_grow`` 1.5 the search must try its last grown value and keep it."""
+    w = torch.tensor([[6.0, 4.5, 3.0, 2.25, 1.5, 0.75] + [0.0] * 10])
+    found = search_block_scales(w, 1.0, torch.ones(16), iters=80, max_shrink=0.6, max_grow=1.5)
+    assert float(found.scales.float()) == 1.5 and found.error_searched == 0.0 and found.error_plain > 0.0
+
+
 def test_grown_scales_are_the_least_error_in_range() -> None:
     """Against every positive FP8 value scored one by one: the search's scale is one whose error is the least among
     the values from the smallest factor's scale to ``max_grow`` times the plain one (global scales with the
