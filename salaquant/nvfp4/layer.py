@@ -144,14 +144,12 @@ class NVFP4LayerQuantizer:
         plain = quantize_nvfp4(w, weight_scale_2=ws2)
         err_plain = _weighted_error(w, plain.dequantize(), msq)
         q = plain
-        searched = None
-        if self.opts.mse_iters > 0:
+        static = hessian is None or self.opts.static_scales  # block scales chosen before any rounding
+        if self.opts.mse_iters > 0 and static:  # (GPTQ with scales during the sweep searches them there)
             found = search_block_scales(
                 w, ws2, msq, self.opts.mse_iters, self.opts.mse_max_shrink, self.opts.mse_max_grow
             )
-            searched = found.scales
-            q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=searched)
-        nearest = q
+            q = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=found.scales)
         if hessian is not None:
             solved = gptq_nvfp4(
                 w,
@@ -187,6 +185,7 @@ class NVFP4LayerQuantizer:
             h = hessian.to(w.device)
             total_h = float(row_weighted_errors(w, None, h).sum())
             entry["hessian_rel_err"] = error_ratio(solved.loss, total_h)  # the solver's loss: no second product
+            nearest = quantize_nvfp4(w, weight_scale_2=ws2, block_scale=q.weight_scale)
             entry["hessian_rel_err_nearest"] = error_ratio(weighted_error(w, nearest.dequantize(), h), total_h)
         return tensors, {name: entry}
 
