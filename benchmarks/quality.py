@@ -26,7 +26,9 @@ short samples (seconds; what the tests run). ``--only`` runs the rows whose name
 (with the exports they need).
 
 ``--no-bos`` gives every tool its calibration samples without BOS, the layout of the held-out windows (sala-small
-reads BOS-led text as a task prompt; see docs/quality.md). ``quality.json`` is rewritten after every row.
+reads BOS-led text as a task prompt; see docs/quality.md). ``--salaquant-device cuda`` calibrates salaquant's own
+exports on the GPU, as the GPU peers do; every row is scored on the CPU. ``quality.json`` is rewritten after every
+row.
 
   python benchmarks/quality.py --out OUT [--model models/sala-small] [--no-bos] [--llmc-venv /tmp/venv-llmc]
       [--gptqmodel-venv /tmp/venv-gptqmodel] [--autoround-venv /tmp/venv-autoround [--autoround-device cuda]]
@@ -61,7 +63,9 @@ from salaquant.workflow import load_tokenizer
 MODEL = TINY
 
 
-def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str, Callable[[Path], object]]]:
+def salaquant_variants(
+    model: Path, calib: CalibOptions, device: str = "cpu"
+) -> list[tuple[str, str, Callable[[Path], object]]]:
     from salaquant.driver import run_method
     from salaquant.gptq.command import GPTQMethod, RunOptions
     from salaquant.gptq.layer import GPTQLayerOptions
@@ -70,11 +74,11 @@ def salaquant_variants(model: Path, calib: CalibOptions) -> list[tuple[str, str,
     from salaquant.nvfp4.layer import NVFP4LayerOptions
 
     def gptq(opts: GPTQLayerOptions) -> Callable[[Path], object]:
-        run = RunOptions(device="cpu", show_progress=False, overwrite=True)
+        run = RunOptions(device=device, show_progress=False, overwrite=True)
         return lambda out: run_method(model, out, [str(CALIB)], calib, GPTQMethod(BitsOptions(), opts, run), quiet())
 
     def nvfp4(opts: NVFP4LayerOptions, dense_all: bool) -> Callable[[Path], object]:
-        run = NVFP4RunOptions(dense_all=dense_all, device="cpu", show_progress=False, overwrite=True)
+        run = NVFP4RunOptions(dense_all=dense_all, device=device, show_progress=False, overwrite=True)
         return lambda out: run_method(model, out, [str(CALIB)], calib, NVFP4Method(opts, run), quiet())
 
     near = NVFP4LayerOptions(rounding="nearest")  # the rounding before GPTQ rounding became the default
@@ -303,6 +307,9 @@ def main() -> None:
     ap.add_argument("--autoround-iters", type=int, help="AutoRound's tuning steps per block (default: its 200)")
     ap.add_argument("--autoround-lr", type=float, help="AutoRound's learning rate (default: its 1 / iters)")
     ap.add_argument("--autoround-device", default="cpu", help="where AutoRound tunes its blocks: cpu or cuda")
+    ap.add_argument(
+        "--salaquant-device", default="cpu", help="where salaquant's own exports calibrate: cpu or cuda (scored on cpu)"
+    )
     ap.add_argument("--smoke", action="store_true", help="random tiny model, 4 x 256 calibration tokens")
     ap.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these strings")
     ap.add_argument("--model", type=Path, default=MODEL, help="the bf16 checkpoint every tool quantizes (sala-tiny)")
@@ -347,6 +354,7 @@ def main() -> None:
                 "samples": len(samples),
                 "max_len": args.max_len,
                 "bos": not args.no_bos,
+                "salaquant_device": args.salaquant_device,
             },
             "eval": {"windows": len(wins), "window_tokens": args.window_len, "attention": "dense", "device": "cpu"},
             "torch": torch.__version__,
@@ -381,7 +389,7 @@ def main() -> None:
     nvfp4_wanted = any(wanted(n) for n in ("NVFP4", "W4A4", "ModelOpt"))
     needed = {export for label, *_, export, _ in PEERS if wanted(label)}  # the exports the wanted peer rows follow
     needed |= set(nvfp4_exports) if nvfp4_wanted else set()
-    for name, folder, quantize in salaquant_variants(model, calib):
+    for name, folder, quantize in salaquant_variants(model, calib, args.salaquant_device):
         path = args.out / folder
         if not wanted(name) and folder not in needed:
             continue
