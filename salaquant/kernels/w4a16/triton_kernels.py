@@ -45,7 +45,7 @@ from .flat import flat_kernel
 from .gemv import gemv_kernel
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
-from .tiled import tiled_kernel
+from .tiled import swap_fits, tiled_kernel
 
 __all__ = [
     "FLAT_CONFIG",
@@ -452,6 +452,12 @@ def matmul_tiled(
     bucket = min(next_power_of_2(m), 4096)
     sms = _sm_count(x.device)
     configs = tiled_kernel.configs if config is None else [config]
+    block_k = config.kwargs["BLOCK_K"] if config is not None else 0
+    if config is not None and config.kwargs.get("SWAP", False) and not swap_fits(x.dtype, bits, gs, block_k):
+        raise ValueError(
+            f"a SWAP launch takes 4-bit codes, fp16 / bf16 activations, BLOCK_K >= 128 and groups a multiple of "
+            f"it; got {bits}-bit codes, {x.dtype}, BLOCK_K={block_k}, group size {gs}"
+        )
 
     def tiles(meta: dict) -> int:
         return cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
