@@ -16,9 +16,10 @@ attention, CPU), one table: perplexity increase over bf16, KL(bf16 || quantized)
 * llm-compressor GPTQ W4A16 (with and without its SmoothQuant), GPTQModel GPTQ W4A16 and AutoRound W4A16, each run
   in its own virtual environment by ``benchmarks/peers/`` (``--llmc-venv``, ``--gptqmodel-venv``,
   ``--autoround-venv``) and told to keep the linears salaquant's GPTQ export keeps in bf16 (``--ignore``);
-  llm-compressor's GPTQ and AutoRound for NVFP4, weight-only and W4A4 (scored with FP4 activations at the peer's
-  own activation scales), told to keep the linears salaquant's default NVFP4 export keeps; a peer that fails is
-  recorded with its error and where it happened.
+  llm-compressor's GPTQ (with its scheme's weight observer and with its four-over-six one) and AutoRound for
+  NVFP4, weight-only and W4A4 (scored with FP4 activations at the peer's own activation scales), told to keep the
+  linears salaquant's default NVFP4 export keeps; a peer that fails is recorded with its error and where it
+  happened.
 
 Every export is read back by ``salaquant.model.loading.load_model`` (weights dequantized) and scored with
 ``salaquant.eval.perplexity.compare_models``. ``--smoke`` runs the same code on a random tiny model with a few
@@ -266,6 +267,20 @@ PEERS = [  # row, peer, folder (OUT/peer-FOLDER), the salaquant export whose bf1
     ("AutoRound W4A16", "autoround", "autoround-w4a16", "gptq", ["--scheme", "W4A16"]),
     ("llm-compressor GPTQ NVFP4A16, default exclusions", "llmc", "llmc-nvfp4a16", "nvfp4", ["--scheme", "NVFP4A16"]),
     ("llm-compressor GPTQ NVFP4, default exclusions, W4A4", "llmc", "llmc-nvfp4", "nvfp4", ["--scheme", "NVFP4"]),
+    (
+        "llm-compressor GPTQ NVFP4A16 four-over-six observer, default exclusions",
+        "llmc",
+        "llmc-nvfp4a16-46",
+        "nvfp4",
+        ["--scheme", "NVFP4A16", "--weight-observer", "fouroversix"],
+    ),
+    (
+        "llm-compressor GPTQ NVFP4 four-over-six observer, default exclusions, W4A4",
+        "llmc",
+        "llmc-nvfp4-46",
+        "nvfp4",
+        ["--scheme", "NVFP4", "--weight-observer", "fouroversix"],
+    ),
     ("AutoRound NVFP4A16, default exclusions", "autoround", "autoround-nvfp4a16", "nvfp4", ["--scheme", "NVFP4A16"]),
     ("AutoRound NVFP4, default exclusions, W4A4", "autoround", "autoround-nvfp4", "nvfp4", ["--scheme", "NVFP4"]),
 ]

@@ -5,12 +5,13 @@ Runs inside the virtual environment made by ``benchmarks/peers/setup_llmcompress
 
     python benchmarks/peers/llmcompressor_gptq.py --model models/sala-tiny \\
         --calib calib/sala-tiny-calib.jsonl --max-samples 32 --max-len 2048 --out OUT [--smoothquant]
-        [--scheme W4A16|NVFP4A16|NVFP4]
+        [--scheme W4A16|NVFP4A16|NVFP4] [--weight-observer NAME]
 
 The model is loaded with ``AutoModelForCausalLM`` (after ``import salaquant.model.hf``), the calibration
 samples are the token sequences ``salaquant.calibration.calib_data.load_calibration`` gives (so both tools see the
 same tokens), and ``oneshot`` runs ``GPTQModifier(targets="Linear", scheme=SCHEME, ignore=["lm_head"])`` (NVFP4
-schemes with ``actorder="static"``, as llm-compressor's NVFP4 GPTQ example),
+schemes with ``actorder="static"``, as llm-compressor's NVFP4 GPTQ example; ``--weight-observer`` names the observer
+that sets the weight scales in place of the scheme's, e.g. ``fouroversix``, llm-compressor's four-over-six observer),
 preceded with ``--smoothquant`` by a ``SmoothQuantModifier`` (default strength) with explicit SALA
 mappings. OUT then holds a plain bf16 checkpoint that salaquant reads: ``config.json`` and the tokenizer
 files copied from the source, and ``model.safetensors`` with every tensor of the source under the same
@@ -79,6 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoothquant", action="store_true", help="run SmoothQuantModifier before GPTQ")
     ap.add_argument("--scheme", choices=tuple(SCHEMES), default="W4A16", help="llm-compressor's preset scheme")
     ap.add_argument(
+        "--weight-observer",
+        help="llm-compressor's observer for the weight scales (GPTQModifier weight_observer), e.g. fouroversix; "
+        "default: the scheme's",
+    )
+    ap.add_argument(
         "--pipeline",
         choices=("sequential", "basic"),
         default="sequential",
@@ -104,12 +110,15 @@ def calibration_dataset(
     return tokenizer, dataset, info
 
 
-def gptq_modifier(ignore: list[str], scheme: str) -> Any:
+def gptq_modifier(ignore: list[str], scheme: str, weight_observer: str | None = None) -> Any:
     """GPTQ with the scheme's defaults; NVFP4 schemes with static activation order, as llm-compressor's NVFP4 GPTQ
-    example runs it (block scales fixed before the sweep)."""
+    example runs it (block scales fixed before the sweep); ``weight_observer`` replaces the scheme's weight
+    observer."""
     from llmcompressor.modifiers.quantization import GPTQModifier
 
-    extra = {"actorder": "static"} if scheme.startswith("NVFP4") else {}
+    extra: dict[str, Any] = {"actorder": "static"} if scheme.startswith("NVFP4") else {}
+    if weight_observer is not None:
+        extra["weight_observer"] = weight_observer
     return GPTQModifier(targets="Linear", scheme=scheme, ignore=list(IGNORE) + [f"re:{r}" for r in ignore], **extra)
 
 
@@ -281,23 +290,23 @@ def main(argv: list[str] | None = None) -> int:
                 args.model, args.calib, args.max_samples, args.max_len, not args.no_bos
             )
 
-        recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + [f"GPTQModifier {args.scheme}"]
+        observer = f", weight observer {args.weight_observer}" if args.weight_observer else ""
+        recipe_names = (["SmoothQuantModifier"] if args.smoothquant else []) + [f"GPTQModifier {args.scheme}{observer}"]
         with step(f"oneshot ({' + '.join(recipe_names)}, pipeline {args.pipeline})"):
             t0 = time.perf_counter()
             if args.pipeline == "sequential":
                 # llm-compressor's "independent" pipeline gives each modifier its own sequential pass, so the
                 # GPTQ Hessians are collected on the already smoothed model.
                 recipe = ([smoothquant_modifier()] if args.smoothquant else []) + [
-                    gptq_modifier(args.ignore, args.scheme)
+                    gptq_modifier(args.ignore, args.scheme, args.weight_observer)
                 ]
                 model = run_oneshot(model, tokenizer, dataset, recipe, "independent", args.max_len)
                 pipeline = "independent (sequential per modifier)" if args.smoothquant else "sequential"
             else:
                 if args.smoothquant:
                     model = run_oneshot(model, tokenizer, dataset, [smoothquant_modifier()], "basic", args.max_len)
-                model = run_oneshot(
-                    model, tokenizer, dataset, [gptq_modifier(args.ignore, args.scheme)], "basic", args.max_len
-                )
+                gptq = gptq_modifier(args.ignore, args.scheme, args.weight_observer)
+                model = run_oneshot(model, tokenizer, dataset, [gptq], "basic", args.max_len)
                 pipeline = "basic"
             oneshot_s = time.perf_counter() - t0
 
@@ -338,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": version("torch"),
             "scheme": f"{args.scheme} ({SCHEMES[args.scheme][2]}; GPTQModifier defaults otherwise)",
             "smoothquant": bool(args.smoothquant),
+            "weight_observer": args.weight_observer or "the scheme's",
             "pipeline": pipeline,
             "seconds": round(oneshot_s, 1),
             "total_seconds": round(time.perf_counter() - t_start, 1),
