@@ -172,9 +172,10 @@ def _swapped_tiles(
 
     K is visited plane by plane: plane ``j`` of a tile is code ``j`` of each of its ``BLOCK_K / 8`` word rows, the
     inputs ``k0 + 8 r + j``, so a plane is shifted and masked out of the loaded words with no reshaping, and the
-    activations are read in the same order. Each code becomes a 16-bit float exactly: its bits under the exponent
-    of 1024 (fp16) or 128 (bf16), minus that and the zero point 8; the dot products of a K tile sum the unscaled
-    codes and are scaled once in fp32, so no dequantized weight is rounded.
+    activations are read in the same order. Codes ``h`` and ``h + 4`` sit 16 bits apart, so one shift and one mask
+    give both planes' 16-bit patterns: each code under the exponent of 1024 (fp16) or 128 (bf16), a 16-bit float
+    exactly, minus that and the zero point 8. The dot products of a K tile sum the unscaled codes and are scaled
+    once in fp32, so no dequantized weight is rounded.
     """
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = BLOCK_K // PACK
@@ -194,13 +195,16 @@ def _swapped_tiles(
         w_mask = mask_n[:, None] if EVEN_K else (rows < K // PACK)[None, :] & mask_n[:, None]
         packed = tl.load(w_ptr + rows[None, :] * N + offs_n[:, None], mask=w_mask, other=0)
         part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for j in tl.static_range(PACK):
-            kk = k0 + offs_r * PACK + j
-            a_mask = mask_m[None, :] if EVEN_K else (kk < K)[:, None] & mask_m[None, :]
-            xt = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=a_mask, other=0.0)
-            code = ((packed >> (j * BITS)) & 15) | exponent
-            w = (code.to(tl.int16).to(dtype, bitcast=True) - offset).to(dtype)  # exact: a small integer
-            part = tl.dot(w, xt, part)
+        for h in tl.static_range(PACK // 2):
+            both = ((packed >> (h * BITS)) & 0x000F000F) | (exponent * 0x10001)  # codes h and h + 4, 16 bits apart
+            for half in tl.static_range(2):
+                j = h + half * (PACK // 2)
+                kk = k0 + offs_r * PACK + j
+                a_mask = mask_m[None, :] if EVEN_K else (kk < K)[:, None] & mask_m[None, :]
+                xt = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=a_mask, other=0.0)
+                bits = (both >> (16 * half)).to(tl.int16)
+                w = (bits.to(dtype, bitcast=True) - offset).to(dtype)  # exact: a small integer
+                part = tl.dot(w, xt, part)
         if ONE_GROUP:
             acc += part
         else:
