@@ -74,7 +74,7 @@ def test_quality_smoke(tmp_path: Path) -> None:
         > rows["ModelOpt NVFP4 default, default exclusions"]["quantized_linears"]
     )
     peers = [r for r in result["rows"] if r["tool"] in ("llm-compressor", "GPTQModel")]
-    assert len(peers) == 5 and all("not run" in r["error"] and "setup_" in r["error"] for r in peers)
+    assert len(peers) == 7 and all("not run" in r["error"] and "setup_" in r["error"] for r in peers)
     assert any(line.startswith("GPTQ ppl increase") for line in result["targets"])
     assert "ModelOpt NVFP4 AWQ-lite, default exclusions" in proc.stdout
     for exclusions in ("default", "dense-all"):
