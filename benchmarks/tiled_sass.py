@@ -38,13 +38,6 @@ DEFAULT_CONFIGS = [
 _OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def _jit_function(kernel: object) -> triton.JITFunction:
-    """The JIT function under the autotuner and heuristics wrappers."""
-    while not isinstance(kernel, triton.JITFunction):
-        kernel = kernel.fn  # type: ignore[attr-defined]
-    return kernel
-
-
 def compile_for_hopper(meta: dict[str, int], warps: int, stages: int) -> bytes:
     """The cubin of ``tiled_kernel`` for sm_90 with launch settings ``meta`` (BLOCK_M, BLOCK_N, BLOCK_K, SWAP)."""
     signature = {
@@ -54,7 +47,7 @@ def compile_for_hopper(meta: dict[str, int], warps: int, stages: int) -> bytes:
     constants = {"BITS": 4, "GROUP_SIZE": 128, "DOT_PRECISION": "tf32", "EXPAND": True, "EVEN_K": True, "GROUP_M": 8}
     constants |= {"SWAP": bool(meta.get("SWAP", 0))} | {k: v for k, v in meta.items() if k != "SWAP"}
     signature |= dict.fromkeys(constants, "constexpr")
-    source = ASTSource(fn=_jit_function(tiled_kernel), signature=signature, constexprs=constants)
+    source = ASTSource(fn=tiled_kernel.fn, signature=signature, constexprs=constants)
     options = {"num_warps": warps, "num_stages": stages}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["cubin"]

@@ -73,7 +73,6 @@ def prune_tiled(configs: list[triton.Config], named_args: dict, **kwargs) -> lis
     prune_configs_by={"early_config_prune": prune_tiled},
     do_bench=bench,
 )
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def tiled_kernel(
     x_ptr,
@@ -97,7 +96,7 @@ def tiled_kernel(
     BLOCK_K: tl.constexpr,
     EXPAND: tl.constexpr,
     SWAP: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,  # SWAP only: K a multiple of BLOCK_K, no K masks
     GROUP_M: tl.constexpr = 8,
 ):
     """One ``tl.dot`` per K tile on the dequantized ``[BLOCK_K, BLOCK_N]`` weight tile in natural K order.
@@ -188,6 +187,7 @@ def _swapped_tiles(
         exponent = 0x4300  # bf16 128.0: seven mantissa bits
         offset = 128.0 + 8.0
     offs_r = tl.arange(0, ROWS)
+    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for kt in range(first, last):
         k0 = kt * BLOCK_K
@@ -201,7 +201,7 @@ def _swapped_tiles(
                 j = h + half * (PACK // 2)
                 kk = k0 + offs_r * PACK + j
                 a_mask = mask_m[None, :] if EVEN_K else (kk < K)[:, None] & mask_m[None, :]
-                xt = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=a_mask, other=0.0)
+                xt = tl.load(x_rows + kk[:, None], mask=a_mask, other=0.0)
                 bits = (both >> (16 * half)).to(tl.int16)
                 w = (bits.to(dtype, bitcast=True) - offset).to(dtype)  # exact: a small integer
                 part = tl.dot(w, xt, part)
