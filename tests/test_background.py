@@ -41,3 +41,26 @@ def test_disabled_runs_inline() -> None:
     writer.submit(lambda: seen.append(threading.current_thread().name))
     assert seen == [threading.current_thread().name]
     writer.close()
+
+
+def test_a_failure_stops_the_jobs_behind_it_until_drained() -> None:
+    """Jobs queued behind a failed one do not run (a state file must not record a write that failed); ``wait`` on
+    a later job and ``drain`` raise the first failure; after the drain new jobs run."""
+    seen: list[str] = []
+    writer = BackgroundWriter()
+
+    def fail() -> None:
+        time.sleep(0.05)  # the jobs behind it are queued before it fails
+        raise OSError("disk full")
+
+    writer.submit(seen.append, "before")
+    writer.submit(fail)
+    later = writer.submit(seen.append, "after")
+    with pytest.raises(OSError, match="disk full"):
+        writer.wait(later)
+    with pytest.raises(OSError, match="disk full"):
+        writer.drain()
+    assert seen == ["before"]
+    writer.wait(writer.submit(seen.append, "next batch"))
+    writer.close()
+    assert seen == ["before", "next batch"]

@@ -167,8 +167,9 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
         assert (work / "layers" / f"{i:03d}.safetensors").read_bytes() == (
             tmp_path / "full" / "layers" / f"{i:03d}.safetensors"
         ).read_bytes()
-    for name in _hidden_names(tmp_path / "full"):
+    for name in _hidden_names(tmp_path / "full"):  # after layer 2: the last layer's outputs are not saved
         assert (work / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+    assert all(torch.equal(a, b) for a, b in zip(again.final_hidden, full.final_hidden, strict=True))
     # Resume points every other layer: interrupted in layer 1, a resumed run starts over at layer 0 (nothing saved
     # yet); interrupted in layer 3, it starts at layer 2; the bytes are those of the uninterrupted run.
     for fail_at, redone in ((1, [0, 1, 2, 3]), (3, [2, 3])):
@@ -176,10 +177,16 @@ def test_quantized_propagation_and_resume_bytes(tiny_ckpt: Path, tmp_path: Path)
         with pytest.raises(KeyboardInterrupt):
             CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2)).run(_RoundToNearest(fail_at=fail_at))
         q2 = _RoundToNearest()
-        CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2)).run(q2, resume=True)
+        resumed = CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2))
+        resumed.run(q2, resume=True)
         assert q2.seen == redone
-        for name in [f"layers/{i:03d}.safetensors" for i in range(4)] + _hidden_names(tmp_path / "full"):
+        for name in [f"layers/{i:03d}.safetensors" for i in range(4)]:
             assert (work2 / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
+        assert all(torch.equal(a, b) for a, b in zip(resumed.final_hidden, full.final_hidden, strict=True))
+    # a run resumed after its last layer computes nothing and reads no hidden states (none were saved after it)
+    done = _RoundToNearest()
+    finished = CalibrationEngine(tiny_ckpt, samples, work2, _opts(resume_every=2))
+    assert len(finished.run(done, resume=True).reports) == 4 and done.seen == [] and finished.final_hidden is None
     # quantized propagation differs from float propagation
     flt = CalibrationEngine(tiny_ckpt, samples, tmp_path / "flt", _opts(propagate="float"))
     flt.run(_RoundToNearest())
@@ -209,12 +216,12 @@ def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
     tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A slow background write of the hidden states still saves the layer's outputs, not the next layer's (the
-    next layer's propagation waits for the writer before writing over the same buffers)."""
+    next layer's propagation waits for the writer before writing over each leaf's buffers)."""
     import time
 
     import salaquant.calibration.engine as pipeline
 
-    samples = _samples([120, 300])
+    samples = _samples([120, 300, 40, 75])  # several leaves hold samples
     save = pipeline._atomic_save
 
     def slow_save(tensors: dict, path: Path) -> None:
@@ -232,6 +239,67 @@ def test_resume_point_is_saved_before_the_next_layer_overwrites_it(
         want.run(_RoundToNearest(fail_at=2))
     names = _hidden_names(tmp_path / "two")
     assert names and all((work / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in names)
+
+
+def test_propagation_overwrites_a_leaf_once_its_file_is_written(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a resume point the propagation starts on a leaf whose file is written while later leaves are still
+    being written, and overwrites no leaf before its file is on disk. A writer drained before the pass would write
+    every file first; one not waited for at all would let the pass overwrite a leaf it is still reading."""
+    import threading
+    import time
+
+    import salaquant.calibration.engine as pipeline
+
+    events: list[tuple[str, int]] = []  # ("layer", i), ("saved", leaf), ("propagate", sample buffer address)
+    lock = threading.Lock()
+    save = pipeline._atomic_save
+
+    def slow_save(tensors: dict, path: Path) -> None:
+        if path.parent.name == "hidden":
+            time.sleep(0.1)
+        save(tensors, path)
+        if path.parent.name == "hidden":
+            with lock:
+                events.append(("saved", int(path.stem.removeprefix("leaf"))))
+
+    run_sample, layer_pass = CalibrationEngine._run_sample, CalibrationEngine._layer
+
+    def logged_sample(self, layer, h, out) -> None:
+        if out is h:  # the propagation writing over its inputs
+            with lock:
+                events.append(("propagate", h.data_ptr()))
+        run_sample(self, layer, h, out)
+
+    def logged_layer(self, i, *args):
+        with lock:
+            events.append(("layer", i))
+        return layer_pass(self, i, *args)
+
+    monkeypatch.setattr(pipeline, "_atomic_save", slow_save)
+    monkeypatch.setattr(CalibrationEngine, "_run_sample", logged_sample)
+    monkeypatch.setattr(CalibrationEngine, "_layer", logged_layer)
+    engine = CalibrationEngine(tiny_ckpt, _samples([120, 300, 40, 75, 60]), tmp_path / "w", _opts(resume_every=1))
+    engine.run(_RoundToNearest())
+    leaf_of = {
+        engine.final_hidden[j].data_ptr(): v
+        for v, rows in zip(engine.ranks.leaves(), engine._leaf_rows, strict=True)
+        for j in rows
+    }
+    saved: dict[int, int] = {}
+    layer, overlapped = -1, 0
+    for what, value in events:
+        if what == "layer":
+            layer = value
+        elif what == "saved":
+            saved[value] = saved.get(value, 0) + 1
+        else:
+            leaf = leaf_of[value]
+            # layers 0 .. layer - 1 were each a resume point: this leaf's file is written that many times
+            assert saved.get(leaf, 0) >= layer, f"layer {layer} overwrote leaf {leaf} before its file was written"
+            overlapped += any(saved.get(v, 0) < layer for v in engine.ranks.leaves())  # a file still to come
+    assert layer == 3 and overlapped > 0, f"no propagation ran while a resume point was still being written: {events}"
 
 
 def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -17,8 +17,10 @@ number of processes. Rank 0 writes the layer files and the resume state; the hid
 
 The hidden states live in pinned CPU memory, one set of buffers: the propagation pass writes each sample's
 outputs over its inputs, chunk by chunk, with the copies queued behind the compute and one wait per pass, not
-per sample. (Float propagation, where the statistics pass also produces the outputs, uses a second set, and the
-two swap roles from layer to layer.)
+per sample. A resume point's files are written one leaf at a time in the background, and the next propagation
+overwrites a leaf's buffers as soon as that leaf's file is written, not after the whole set. (Float
+propagation, where the statistics pass also produces the outputs, uses a second set, and the two swap roles
+from layer to layer.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -247,12 +250,10 @@ class CalibrationEngine:
     def _hidden_path(self, leaf: int) -> Path:
         return self.work_dir / "hidden" / f"leaf{leaf}.safetensors"
 
-    def _save_hidden(self, hs: list[torch.Tensor]) -> None:
-        """This process's hidden states, one file per leaf it owns (keys: global sample indices)."""
-        (self.work_dir / "hidden").mkdir(exist_ok=True)
-        for v, rows in zip(self.ranks.leaves(), self._leaf_rows, strict=True):
-            tensors = {f"s{self.own[j]:06d}": hs[j] for j in rows}
-            _atomic_save(tensors or {"_empty": torch.zeros(0)}, self._hidden_path(v))
+    def _save_hidden_leaf(self, leaf: int, rows: range, hs: list[torch.Tensor]) -> None:
+        """The hidden states of one leaf this process owns (keys: global sample indices)."""
+        tensors = {f"s{self.own[j]:06d}": hs[j] for j in rows}
+        _atomic_save(tensors or {"_empty": torch.zeros(0)}, self._hidden_path(leaf))
 
     def _load_hidden(self) -> list[torch.Tensor]:
         ts: list[torch.Tensor] = []
@@ -311,32 +312,36 @@ class CalibrationEngine:
             hs = self._embed()
             if self.ranks.main:
                 self.state.write(0)
-        else:
+        elif finished < n_layers:
             hs = self._load_hidden()
+        else:  # every layer is done: nothing to compute, and the last layer's outputs were not saved
+            hs = []
         timings["embed"] += time.perf_counter() - t0
         progress.start(n_layers, len(self.own), own_tokens, finished)
         layer_seconds: list[tuple[int, str, float]] = []
         # Layer i's files (statistics or quantized tensors, report, hidden states, then the resume state) are
         # written while layer i + 1 computes; the state names layer i finished only once all of them are on disk.
         writer = BackgroundWriter(enabled=self.opts.background_writes)
+        leaf_saved: list[Future[Any] | None] = []  # the writer's job for each own leaf's hidden-state file
 
-        def wait_for_writer() -> None:  # before the buffers it may be reading are overwritten
-            t0 = time.perf_counter()
-            writer.drain()
-            timings["save"] += time.perf_counter() - t0
+        def wait_for_leaf(k: int) -> None:  # before the buffers of leaf k, which it may be reading, are overwritten
+            if k < len(leaf_saved):
+                t0 = time.perf_counter()
+                writer.wait(leaf_saved[k])
+                timings["save"] += time.perf_counter() - t0
 
         try:
             for i in range(finished, n_layers):
                 t_layer = time.perf_counter()
                 inputs = hs
-                hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_writer)
+                hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_leaf)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
                 writer.drain()
                 if hs is not inputs:
                     self._spare = inputs  # nothing reads them any more: the writer is done with them
                 del inputs
-                writer.submit(self._persist_layer, i, files, hs)
+                leaf_saved[:] = self._submit_persist(writer, i, files, hs)
                 if self.ranks.parallel and self._resume_point_after(i):
                     writer.drain()  # every process's hidden states on disk before rank 0 records the layer
                     t1 = time.perf_counter()
@@ -359,7 +364,7 @@ class CalibrationEngine:
         for i in range(n_layers):
             path = self.work_dir / "layers" / f"{i:03d}.json"
             reports.append(json.loads(path.read_text()) if path.exists() else {})
-        self.final_hidden = hs
+        self.final_hidden = hs if finished < n_layers else None
         peaks = gather_object(self._peaks(), self.ranks)
         return EngineResult(
             self.work_dir,
@@ -389,14 +394,14 @@ class CalibrationEngine:
         quantizer: LayerQuantizer | None,
         progress,
         timings: dict[str, float],
-        wait_for_writer: Callable[[], None],
+        wait_for_leaf: Callable[[int], None],
     ) -> tuple[list[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]] | None]:
         """Layer ``i`` over every sample: its outputs, and the files to write for it (written by the caller).
 
         The propagation pass with the quantized layer writes each sample's outputs over its inputs, chunk by chunk
         (a chunk's copy back is queued after its copy in), so the run holds one set of hidden states, not two;
-        ``wait_for_writer`` first lets the background writer finish with them (the resume point it may be
-        saving). The float propagation (statistics and outputs in one pass) writes to a second set."""
+        before each leaf ``wait_for_leaf`` lets the background writer finish with that leaf's buffers (the resume
+        point it may be saving). The float propagation (statistics and outputs in one pass) writes to a second set."""
         cfg = self.config
         t0 = time.perf_counter()
         layer = self.parts.layer(i)
@@ -459,7 +464,9 @@ class CalibrationEngine:
         observed: TreeSum[dict[str, Observer]] = TreeSum(_merge_by_name)
 
         def propagate(through: DecoderLayer, observe: dict[str, Observer], out: list[torch.Tensor] | None) -> None:
-            for rows in self._leaf_rows:
+            for k, rows in enumerate(self._leaf_rows):
+                if out is hs:
+                    wait_for_leaf(k)
                 current.clear()
                 current.update({name: obs.fresh() for name, obs in observe.items()})
                 for j in rows:
@@ -480,7 +487,6 @@ class CalibrationEngine:
             else:
                 t0 = time.perf_counter()
                 progress.phase(i, layer.kind, "propagate")
-                wait_for_writer()
                 out = hs  # in place
                 propagate(qlayer, result.observe, out)
                 timings["propagate"] += time.perf_counter() - t0
@@ -509,23 +515,40 @@ class CalibrationEngine:
         log.info("layer %d (%s) done", i, cfg.mixer_types[i])
         return out, files
 
-    def _persist_layer(
-        self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, hs: list[torch.Tensor]
-    ) -> None:
-        """Layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the hidden
-        states after it, then the state that marks layers up to ``i`` finished. Layers after the last resume point
-        are computed again by a resumed run (same bytes: the computation is deterministic). The digests of the
-        tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
+    def _submit_persist(
+        self,
+        writer: BackgroundWriter,
+        i: int,
+        files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
+        hs: list[torch.Tensor],
+    ) -> list[Future[Any] | None]:
+        """Queue layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the hidden
+        states after it, one job per leaf, then the state that marks layers up to ``i`` finished. Returns the
+        leaves' jobs (none between resume points), which the next propagation waits for one at a time. Layers after
+        the last resume point are computed again by a resumed run (same bytes: the computation is deterministic).
+        The last layer's outputs are not saved: a run resumed after it has no layer left to feed. The digests of
+        the tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
+        writer.submit(self._persist_layer_files, i, files)
+        if not self._resume_point_after(i):
+            return []
+        saved: list[Future[Any] | None] = []
+        if i + 1 < self.config.num_hidden_layers:
+            (self.work_dir / "hidden").mkdir(exist_ok=True)
+            saved = [
+                writer.submit(self._save_hidden_leaf, v, rows, hs)
+                for v, rows in zip(self.ranks.leaves(), self._leaf_rows, strict=True)
+            ]
+        if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
+            writer.submit(self.state.write, i + 1)
+        return saved
+
+    def _persist_layer_files(self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
         if self.ranks.main:
             for prefix in (*global_parameter_shapes(self.config), f"model.layers.{i}."):
                 self.state.record_digests(prefix)
             if files is not None:
                 _atomic_save(files[0], self.work_dir / "layers" / f"{i:03d}.safetensors")
                 atomic_json(files[1], self.work_dir / "layers" / f"{i:03d}.json")
-        if self._resume_point_after(i):
-            self._save_hidden(hs)
-            if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
-                self.state.write(i + 1)
 
     def _resume_point_after(self, i: int) -> bool:
         return (i + 1) % self.resume_every == 0 or i + 1 == self.config.num_hidden_layers

@@ -11,23 +11,57 @@ from typing import Any
 class BackgroundWriter:
     """Runs jobs on one worker thread in submission order (or inline when ``enabled`` is false).
 
-    ``drain()`` waits for every submitted job and re-raises the first failure, so a caller that drains before each
-    submission keeps at most one job in flight and never loses an error.
+    A failed job stops the jobs queued behind it (a state file must not record files that were never written):
+    they end without running. ``drain()`` waits for every submitted job and re-raises the first failure, after
+    which new jobs run again; ``wait(job)`` waits for one job and the ones before it, and re-raises the first
+    failure among them. A caller that drains before each batch of submissions never loses an error.
     """
 
     def __init__(self, enabled: bool = True) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salaquant-writer") if enabled else None
         self._pending: deque[Future[Any]] = deque()
+        self._failure: BaseException | None = None  # the first failure since the last drain (set by the worker)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any] | None:
+        """Queue ``fn(*args)``; its future, which ``wait`` takes (None when it ran inline)."""
         if self._pool is None:
             fn(*args)
-        else:
-            self._pending.append(self._pool.submit(fn, *args))
+            return None
+        future = self._pool.submit(self._run, fn, args)
+        self._pending.append(future)
+        return future
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self._failure is not None:
+            raise _Skipped
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def wait(self, future: Future[Any] | None) -> None:
+        """Wait for one submitted job (and so for every job before it: one worker, in order); re-raises the
+        first failure. ``drain`` still waits for the rest."""
+        if future is None:
+            return
+        try:
+            future.result()
+        except BaseException as e:
+            raise self._failure or e from None
 
     def drain(self) -> None:
+        """Wait for every submitted job; re-raise the first failure (the jobs behind it did not run)."""
+        first: BaseException | None = None
         while self._pending:
-            self._pending.popleft().result()
+            try:
+                self._pending.popleft().result()
+            except BaseException as e:
+                first = first or e
+        # every job has ended, so the worker is idle: the next batch starts afresh
+        failure, self._failure = self._failure, None
+        if first is not None:
+            raise failure or first
 
     def close(self) -> None:
         """Wait for everything, then stop the worker (also when a job failed)."""
@@ -37,3 +71,7 @@ class BackgroundWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class _Skipped(Exception):
+    """A job that did not run because one before it failed."""
