@@ -25,7 +25,6 @@ from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 from salaquant.kernels.mma_rows import MAX_ROWS
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
-from salaquant.kernels.w4a16.tiled import SWAP_CONFIGS
 
 GROUP = 128
 DEVICE = "cuda"
@@ -122,9 +121,6 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
         alt["tiled_unsplit"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, split_k=1), rep)
-        for c in SWAP_CONFIGS:  # the tiled kernel's SWAP form, each launch
-            name = f"tiled_swap_{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}w{c.num_warps}"
-            alt[name] = _time_us(lambda i, c=c: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, config=c), rep)
 
         def dequant_mm(i: int) -> torch.Tensor:
             return x @ tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).t()

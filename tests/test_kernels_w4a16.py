@@ -187,66 +187,6 @@ def test_kernel_variants(variant: int, group_size: int) -> None:
     assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
 
 
-# The tiled kernel's SWAP form (weight tile in registers, K plane by plane): (M, K, N, group size, BLOCK_M, BLOCK_N,
-# BLOCK_K, split_k): one scale a K tile and groups of two K tiles, one group with K not a multiple of BLOCK_K (the
-# masked tail), uneven M and N tiles, splits of K even and uneven.
-SWAP_CASES = [
-    (21, 384, 192, 128, 32, 64, 128, 1),
-    (40, 384, 96, -1, 16, 32, 128, 2),
-    (33, 320, 64, -1, 32, 32, 128, 3),
-    (17, 512, 80, 256, 32, 64, 128, None),
-    (64, 512, 64, 256, 64, 64, 256, 1),
-]
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("case", range(len(SWAP_CASES)))
-def test_swapped_tiles(case: int) -> None:
-    import triton
-
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-
-    m, k, n, group_size, block_m, block_n, block_k, split_k = SWAP_CASES[case]
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "EXPAND": True, "SWAP": True})
-    seed = _seed()
-    x, qweight, scales = _operands(seed, m, k, n, 4, group_size, torch.float16)
-    y = tk.matmul_tiled(x, qweight, scales, 4, group_size, out=_poisoned(m, n, torch.float16), config=config,
-                        split_k=split_k)  # fmt: skip
-    ref = w4a16_matmul_reference(x, qweight, scales, 4, group_size)
-    w = dequantize(qweight, scales, 4, group_size)
-    _assert_close(y, ref, x, w, TOL[torch.float16], f"seed={seed} SWAP {SWAP_CASES[case]}")
-    assert not bool(arrival_counters(x.device, 1).any()), "split-K counters were not reset"
-
-
-@pytest.mark.parametrize(
-    ("dtype", "bits", "group_size", "block_k", "fits"),
-    [
-        (torch.bfloat16, 4, 128, 128, True),
-        (torch.float16, 4, 256, 128, True),
-        (torch.float16, 4, -1, 256, True),
-        (torch.float16, 4, 128, 256, False),  # a group splits the K tile
-        (torch.float16, 4, 64, 128, False),
-        (torch.float16, 8, 128, 128, False),
-        (torch.float32, 4, 128, 128, False),
-        (torch.float16, 4, 128, 64, False),  # 8 word rows: below one product step of 16
-    ],
-)
-def test_swap_only_where_it_fits(dtype: torch.dtype, bits: int, group_size: int, block_k: int, fits: bool) -> None:
-    """A SWAP launch computes only 4-bit products of 16-bit activations with one scale a column per K tile; any
-    other is refused before it runs."""
-    import triton
-
-    from salaquant.kernels.w4a16 import triton_kernels as tk
-    from salaquant.kernels.w4a16.tiled import swap_fits
-
-    assert swap_fits(dtype, bits, group_size, block_k) is fits
-    if not fits:
-        config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": block_k, "EXPAND": True, "SWAP": True})
-        x, qweight, scales = _operands(0, 20, 512, 64, bits, group_size, dtype)
-        with pytest.raises(ValueError, match="SWAP launch"):
-            tk.matmul_tiled(x, qweight, scales, bits, group_size, config=config)
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("bits", [4, 8])
 def test_triton_dequantize(bits: int) -> None:
@@ -332,7 +272,6 @@ SALA_SHAPES = {"gate_up": (4096, 32768), "down": (16384, 4096)}
 @pytest.mark.parametrize("shape", sorted(SALA_SHAPES))
 def test_gpu_sala_shapes(shape: str, m: int) -> None:
     from salaquant.kernels.w4a16 import triton_kernels as tk
-    from salaquant.kernels.w4a16.tiled import SWAP_CONFIGS
 
     k, n = SALA_SHAPES[shape]
     seed = _seed()
@@ -341,8 +280,6 @@ def test_gpu_sala_shapes(shape: str, m: int) -> None:
     paths = {"auto": lambda out: tk.matmul(x, qweight, scales, out=out)}
     if m > 16:
         paths["tiled"] = lambda out: tk.matmul_tiled(x, qweight, scales, out=out)
-        for c in SWAP_CONFIGS:
-            paths[f"swap {c}"] = lambda out, c=c: tk.matmul_tiled(x, qweight, scales, out=out, config=c)
     elif m == 1:  # the fp32 GEMV beside the paired one the dispatch takes
         paths["gemv"] = lambda out: tk.matmul_gemv(x, qweight, scales, out=out)
     else:  # the flat kernel beside the row kernel the dispatch takes

@@ -5,16 +5,10 @@ the splits, the last split of a tile to arrive sums the partials).
 Scale modes, fixed at compile time: ``GROUP_SIZE <= 0`` means one group (scaled once at the end); a multiple
 of ``BLOCK_K`` means one scale row per K tile; otherwise one scale row per word row (``GROUP_SIZE`` is a
 multiple of ``32 / BITS``, so the values of one word share a group).
-
-Two forms of a tile, chosen per launch configuration: the activation tile times the
-dequantized weight tile, which the product reads from shared memory, or, with ``SWAP`` (``_swapped_tiles``), the
-transposed product, the weight tile in registers as its left operand and K visited one code position of the words
-at a time, so that no weight tile is reshaped or rounded after dequantization.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -22,7 +16,7 @@ from ..split_k import k_slice, store_split_k
 from ..tile_order import grouped_tile
 from .autotune import INTERPRET, bench, config
 
-__all__ = ["SWAP_CONFIGS", "TILED_CONFIGS", "prune_tiled", "swap_fits", "tiled_kernel"]
+__all__ = ["TILED_CONFIGS", "prune_tiled", "tiled_kernel"]
 
 if INTERPRET:
     TILED_CONFIGS = [config(4, 1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, EXPAND=True)]
@@ -37,27 +31,6 @@ else:
         config(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, EXPAND=False),
         config(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
     ]
-SWAP_CONFIGS = [
-    config(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, EXPAND=True, SWAP=True),
-    config(8, 3, BLOCK_M=32, BLOCK_N=256, BLOCK_K=128, EXPAND=True, SWAP=True),
-    config(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, EXPAND=True, SWAP=True),
-    config(8, 3, BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, EXPAND=True, SWAP=True),
-    config(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, EXPAND=True, SWAP=True),
-]
-"""``SWAP`` launches (``_swapped_tiles``) that ``benchmarks/kernels_w4a16.py`` times beside the autotuned ones and
-the GPU tests check; they join ``TILED_CONFIGS`` where the GPU shows them faster (``docs/kernels.md``)."""
-
-
-def swap_fits(dtype: torch.dtype, bits: int, group_size: int, block_k: int) -> bool:
-    """Whether a ``SWAP`` launch computes this product: 4-bit codes, fp16 or bf16 activations, at least 16 word rows
-    a K tile (one product step of 16 along K a plane), and one scale a column per K tile (``group_size <= 0``: one
-    group; else a multiple of ``block_k``)."""
-    return (
-        bits == 4
-        and dtype in (torch.float16, torch.bfloat16)
-        and block_k >= 128
-        and (group_size <= 0 or group_size % block_k == 0)
-    )
 
 
 def prune_tiled(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -95,8 +68,6 @@ def tiled_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXPAND: tl.constexpr,
-    SWAP: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,  # SWAP only: K a multiple of BLOCK_K, no K masks
     GROUP_M: tl.constexpr = 8,
 ):
     """One ``tl.dot`` per K tile on the dequantized ``[BLOCK_K, BLOCK_N]`` weight tile in natural K order.
@@ -124,17 +95,8 @@ def tiled_kernel(
     shifts = ((offs_k % PACK) * BITS)[:, None]
     if ONE_GROUP:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    first, last = k_slice(K, BLOCK_K)
-    if SWAP:
-        acc = tl.trans(
-            _swapped_tiles(
-                x_ptr, w_ptr, s_ptr, K, N, stride_xm, offs_m, mask_m, offs_n, mask_n, first, last,
-                BITS, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-            )
-        )  # fmt: skip
-        store_split_k(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
-        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    first, last = k_slice(K, BLOCK_K)
     for kt in range(first, last):
         k0 = kt * BLOCK_K
         kk = k0 + offs_k
@@ -158,58 +120,3 @@ def tiled_kernel(
             s = s.to(tl.float32)
         acc = tl.dot(a, (w * s).to(dtype), acc, input_precision=DOT_PRECISION)
     store_split_k(acc, y_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_ym)
-
-
-@triton.jit
-def _swapped_tiles(
-    x_ptr, w_ptr, s_ptr, K, N, stride_xm, offs_m, mask_m, offs_n, mask_n, first, last,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """The transposed output tile ``[BLOCK_N, BLOCK_M]`` over K tiles ``[first, last)``, the weight as the product's
-    left operand (``SWAP``: 4-bit codes, fp16 / bf16 activations, one scale per column per K tile).
-
-    K is visited plane by plane: plane ``j`` of a tile is code ``j`` of each of its ``BLOCK_K / 8`` word rows, the
-    inputs ``k0 + 8 r + j``, so a plane is shifted and masked out of the loaded words with no reshaping, and the
-    activations are read in the same order. Codes ``h`` and ``h + 4`` sit 16 bits apart, so one shift and one mask
-    give both planes' 16-bit patterns: each code under the exponent of 1024 (fp16) or 128 (bf16), a 16-bit float
-    exactly, minus that and the zero point 8. The dot products of a K tile sum the unscaled codes and are scaled
-    once in fp32, so no dequantized weight is rounded.
-    """
-    PACK: tl.constexpr = 32 // BITS
-    ROWS: tl.constexpr = BLOCK_K // PACK
-    ONE_GROUP: tl.constexpr = GROUP_SIZE <= 0
-    dtype = x_ptr.dtype.element_ty
-    if dtype == tl.float16:
-        exponent = 0x6400  # 1024.0: ten mantissa bits, the code in the lowest four
-        offset = 1024.0 + 8.0
-    else:
-        exponent = 0x4300  # bf16 128.0: seven mantissa bits
-        offset = 128.0 + 8.0
-    offs_r = tl.arange(0, ROWS)
-    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for kt in range(first, last):
-        k0 = kt * BLOCK_K
-        rows = k0 // PACK + offs_r
-        w_mask = mask_n[:, None] if EVEN_K else (rows < K // PACK)[None, :] & mask_n[:, None]
-        packed = tl.load(w_ptr + rows[None, :] * N + offs_n[:, None], mask=w_mask, other=0)
-        part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for h in tl.static_range(PACK // 2):
-            both = ((packed >> (h * BITS)) & 0x000F000F) | (exponent * 0x10001)  # codes h and h + 4, 16 bits apart
-            for half in tl.static_range(2):
-                j = h + half * (PACK // 2)
-                kk = k0 + offs_r * PACK + j
-                a_mask = mask_m[None, :] if EVEN_K else (kk < K)[:, None] & mask_m[None, :]
-                xt = tl.load(x_rows + kk[:, None], mask=a_mask, other=0.0)
-                bits = (both >> (16 * half)).to(tl.int16)
-                w = (bits.to(dtype, bitcast=True) - offset).to(dtype)  # exact: a small integer
-                part = tl.dot(w, xt, part)
-        if ONE_GROUP:
-            acc += part
-        else:
-            s = tl.load(s_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            acc += part * s[:, None]
-    if ONE_GROUP:
-        acc *= tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    return acc

@@ -45,7 +45,7 @@ from .flat import flat_kernel
 from .gemv import gemv_kernel
 from .paired_gemv import paired_gemv_kernel
 from .reference import check_operands
-from .tiled import swap_fits, tiled_kernel
+from .tiled import tiled_kernel
 
 __all__ = [
     "FLAT_CONFIG",
@@ -452,15 +452,6 @@ def matmul_tiled(
     bucket = min(next_power_of_2(m), 4096)
     sms = _sm_count(x.device)
     configs = tiled_kernel.configs if config is None else [config]
-    swap: dict[str, bool] = {}  # a SWAP launch (only ever given explicitly) and whether its K tiles divide K
-    if config is not None and config.kwargs.get("SWAP", False):
-        block_k = config.kwargs["BLOCK_K"]
-        if not swap_fits(x.dtype, bits, gs, block_k):
-            raise ValueError(
-                f"a SWAP launch takes 4-bit codes, fp16 / bf16 activations, BLOCK_K >= 128 and groups a multiple of "
-                f"it; got {bits}-bit codes, {x.dtype}, BLOCK_K={block_k}, group size {gs}"
-            )
-        swap["EVEN_K"] = k % block_k == 0
 
     def tiles(meta: dict) -> int:
         return cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
@@ -491,7 +482,6 @@ def matmul_tiled(
         BITS=bits,
         GROUP_SIZE=gs,
         DOT_PRECISION=_dot_precision(x),
-        **swap,
     )
     return y
 
