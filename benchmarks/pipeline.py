@@ -12,6 +12,9 @@ of the calibration work with the fraction of it reached.
   python benchmarks/pipeline.py --out OUT                       # H200: full shape, 131072 + 4 x 8192 tokens
   python benchmarks/pipeline.py --out /tmp/p --preset tiny --long 600 --short 128 --short-count 2   # CPU smoke
 
+``--gpu-profile`` records each quantizer's CUDA kernels with torch.profiler and reports the GPU's busy time
+against the wall, per engine pass too (marker kernels at each pass), and the kernels that took longest.
+
 ``--budget 4.5bits`` also runs ``gptq --budget`` after the plain ``gptq`` and reports the search's seconds and the
 wall time it adds to the plain run's.
 
@@ -24,6 +27,7 @@ equals N = 1's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -32,8 +36,10 @@ import math
 import pstats
 import resource
 import shutil
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -310,6 +316,115 @@ def generate_check(path: Path, device: str, tokens: int = 8) -> dict[str, Any]:
     return {"load_s": round(load_s, 1), "generate_s": round(gen_s, 2), "tokens": new}
 
 
+_MARKER_KERNEL = "spin_kernel"
+"""The kernel ``torch.cuda._sleep`` launches: ``cuda_profiler`` marks the engine's passes on the GPU's timeline."""
+
+
+@contextlib.contextmanager
+def cuda_profiler() -> Iterator[tuple[torch.profiler.profile, list[str]]]:
+    """torch.profiler recording CUDA activity only (no CPU ops, shapes, stacks or memory), for ``kernel_summary``;
+    and the engine's passes marked on the GPU's own timeline: each start of a pass (statistics, quantize,
+    propagate) and each layer's end launches a one-microsecond ``torch.cuda._sleep`` kernel, named in the list
+    (``pass:WHAT`` or ``end``) in launch order. A pass then spans from its marker to the next on the GPU's clock,
+    so the gaps between its kernels are time the GPU waited for the host."""
+    from salaquant.progress import EngineProgress
+
+    marks: list[str] = []
+    phase, layer_done = EngineProgress.phase, EngineProgress.layer_done
+
+    def mark(what: str) -> None:
+        marks.append(what)
+        torch.cuda._sleep(1000)
+
+    def marked_phase(self: EngineProgress, index: int, kind: str, what: str) -> None:
+        mark(f"pass:{what}")
+        phase(self, index, kind, what)
+
+    def marked_layer_done(self: EngineProgress, index: int, note: str = "") -> None:
+        mark("end")
+        layer_done(self, index, note)
+
+    EngineProgress.phase, EngineProgress.layer_done = marked_phase, marked_layer_done  # type: ignore[method-assign]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            yield prof, marks
+    finally:
+        EngineProgress.phase, EngineProgress.layer_done = phase, layer_done  # type: ignore[method-assign]
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering ``spans``."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(busy: list[tuple[float, float]], start: float, end: float) -> float:
+    """Length of ``[start, end]`` covered by the disjoint sorted intervals ``busy``."""
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in busy if s < end and e > start)
+
+
+def kernel_summary(prof: torch.profiler.profile, marks: list[str], wall_s: float, top: int = 25) -> dict[str, Any]:
+    """What the GPU did during a run, from the profiler's Chrome trace: seconds in which any kernel ran (the union
+    of their intervals, so kernels on several streams count once), the sums of kernel and of copy durations, the
+    kernels that took longest, grouped by name, and per engine pass (``cuda_profiler``'s markers) its seconds on
+    the GPU's clock and the busy seconds within them. ``busy_fraction`` is the busy time over the run's wall (the
+    profiler's own cost included): a change of scheduling alone cannot take the run below ``busy_s``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    return trace_summary(events, marks, wall_s, top)
+
+
+def trace_summary(events: list[dict[str, Any]], marks: list[str], wall_s: float, top: int = 25) -> dict[str, Any]:
+    """``kernel_summary`` of a Chrome trace's events (``ts`` and ``dur`` in microseconds)."""
+    spans: list[tuple[float, float]] = []
+    markers: list[float] = []
+    by_name: dict[str, list[float]] = {}
+    copies = 0.0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start, dur = float(e["ts"]), float(e.get("dur", 0.0))  # microseconds
+        name, cat = e.get("name", "?"), e.get("cat")
+        if cat in ("gpu_memcpy", "gpu_memset"):
+            copies += dur
+        elif cat == "kernel" and _MARKER_KERNEL in name:
+            markers.append(start)
+        elif cat == "kernel":
+            spans.append((start, start + dur))
+            entry = by_name.setdefault(name, [0.0, 0])
+            entry[0] += dur
+            entry[1] += 1
+    busy = _union(spans)
+    busy_s = sum(e - s for s, e in busy) / 1e6
+    passes: dict[str, dict[str, float]] = {}
+    markers.sort()
+    if len(markers) == len(marks):
+        for what, start, end in zip(marks, markers, markers[1:], strict=False):
+            if what.startswith("pass:"):
+                entry = passes.setdefault(what.removeprefix("pass:"), {"s": 0.0, "gpu_busy_s": 0.0})
+                entry["s"] += (end - start) / 1e6
+                entry["gpu_busy_s"] += _overlap(busy, start, end) / 1e6
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    return {
+        "wall_s": wall_s,
+        "busy_s": round(busy_s, 2),
+        "busy_fraction": round(busy_s / wall_s, 3),
+        "kernel_sum_s": round(sum(v[0] for v in by_name.values()) / 1e6, 2),
+        "copy_sum_s": round(copies / 1e6, 2),
+        "kernels": len(spans),
+        "markers": {"launched": len(marks), "found": len(markers)},
+        "passes": {what: {k: round(v, 2) for k, v in entry.items()} for what, entry in passes.items()},
+        "top": [{"name": n[:120], "s": round(v[0] / 1e6, 2), "calls": int(v[1])} for n, v in kernels[:top]],
+    }
+
+
 def _row_key(method: str, rounding: str | None) -> str:
     """A result row's name: the method, with the rounding where the run names one."""
     return method if rounding is None else f"{method}-{rounding}"
@@ -328,6 +443,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (smaller runs)")
     ap.add_argument("--profile", action="store_true", help="cProfile each quantizer; top functions to OUT")
+    ap.add_argument(
+        "--gpu-profile",
+        action="store_true",
+        help="torch.profiler over each quantizer (CUDA): kernel time against wall, top kernels, to OUT",
+    )
     ap.add_argument("--nvfp4-input-scale", choices=["max", "mse"], help="nvfp4's input-scale rule (default: its own)")
     ap.add_argument(
         "--nvfp4-rounding",
@@ -394,7 +514,13 @@ def main() -> None:
         if profiler is not None:
             profiler.enable()
         job = QuantRun(method, model, calib, out, max_len, args.nvfp4_input_scale, rounding=rounding)
-        r = run_quantizer(job, device)
+        gpu_profiler = cuda_profiler() if args.gpu_profile and device == "cuda" else contextlib.nullcontext()
+        with gpu_profiler as profiled:
+            r = run_quantizer(job, device)
+        if profiled is not None:
+            r["gpu_profile"] = kernel_summary(*profiled, r["wall_s"])
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"gpu-profile-{key}.json").write_text(json.dumps(r["gpu_profile"], indent=2))
         if profiler is not None:
             profiler.disable()
             args.out.mkdir(parents=True, exist_ok=True)

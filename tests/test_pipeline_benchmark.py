@@ -43,3 +43,32 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
     assert 0 < searched <= b["wall_s"] + 0.01
     assert not (tmp_path / "scratch" / "export-gptq").exists()  # exports are removed unless --keep
     assert not (tmp_path / "scratch" / "export-gptq-budget").exists()
+
+
+def test_trace_summary_by_hand() -> None:
+    """The GPU profile's figures from a hand-made trace: busy time is the union of kernel intervals (overlapping
+    streams count once), copies apart, marker kernels split the timeline into passes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from pipeline import trace_summary
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def event(name: str, start_ms: float, ms: float, cat: str = "kernel") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": start_ms * 1e3, "dur": ms * 1e3}  # microseconds
+
+    events = [
+        event("void spin_kernel(long)", 0, 0.001),  # pass:statistics from 0
+        event("gemm", 100, 400),  # 100-500 ms
+        event("gemm", 300, 400),  # 300-700 ms on another stream: busy 100-700
+        event("Memcpy HtoD", 700, 250, cat="gpu_memcpy"),
+        event("void spin_kernel(long)", 1000, 0.001),  # pass:quantize from 1 s
+        event("solve", 1500, 200),  # 1.5-1.7 s
+        event("void spin_kernel(long)", 2000, 0.001),  # the layer's end at 2 s
+        event("aten::mm", 0, 5000, cat="cpu_op"),  # host time: not the GPU's
+    ]
+    r = trace_summary(events, ["pass:statistics", "pass:quantize", "end"], wall_s=4.0, top=1)
+    assert r["passes"] == {"statistics": {"s": 1.0, "gpu_busy_s": 0.6}, "quantize": {"s": 1.0, "gpu_busy_s": 0.2}}
+    assert r["busy_s"] == 0.8 and r["busy_fraction"] == 0.2 and r["kernel_sum_s"] == 1.0 and r["copy_sum_s"] == 0.25
+    assert r["kernels"] == 3 and r["markers"] == {"launched": 3, "found": 3}
+    assert r["top"] == [{"name": "gemm", "s": 0.8, "calls": 2}]
