@@ -5,16 +5,18 @@ Times are medians over CUDA-graph replays of one call per weight copy (4 copies,
 rather than L2): this is how a decode step runs in a server, without the Python launch cost. ``*_eager_us`` are
 medians of ``triton.testing.do_bench`` on single eager calls, launch cost included. ``ours`` is ``w4a16_matmul``
 (the path it picks for M is named); the other Triton paths that apply to M are timed too (``alt``), which is what
-``TILED_MAX_M`` and the launch settings are tuned from.
+``TILED_MAX_M`` and the launch settings are tuned from. ``--tiled-config`` times the tiled kernel at launch
+settings outside its autotuned list as well (``tiled_BMxBNxBKwWsS``).
 
   python benchmarks/kernels_w4a16.py --out OUT   (OUT a folder, or a .json file)
+  python benchmarks/kernels_w4a16.py --out OUT --m 64 128 --tiled-config 64,128,64,8,3 32,128,64,4,3
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ from common import KERNEL_MS, KERNEL_SHAPES, WEIGHT_COPIES, write_results
 from salaquant.kernels.mma_rows import MAX_ROWS
 from salaquant.kernels.w4a16 import triton_kernels as tk
 from salaquant.kernels.w4a16 import w4a16_matmul
+from salaquant.kernels.w4a16.autotune import config
+from salaquant.kernels.w4a16.tiled import tiled_kernel
 
 GROUP = 128
 DEVICE = "cuda"
@@ -78,7 +82,14 @@ def _auto_path(m: int, n: int) -> str:
     return "tiled" if m <= tk.TILED_MAX_M else "dequant+mm"
 
 
-def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
+def tiled_config(spec: str) -> triton.Config:
+    """``BLOCK_M,BLOCK_N,BLOCK_K,warps,stages`` (``,noexpand`` for EXPAND=False) as a tiled-kernel launch."""
+    parts = spec.split(",")
+    bm, bn, bk, warps, stages = (int(v) for v in parts[:5])
+    return config(warps, stages, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EXPAND=parts[5:] != ["noexpand"])
+
+
+def bench_shape(name: str, k: int, n: int, m: int, rep: int, extra: Sequence[triton.Config] = ()) -> dict:
     dev = DEVICE
     x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
     qweight = [
@@ -120,7 +131,14 @@ def bench_shape(name: str, k: int, n: int, m: int, rep: int) -> dict:
             )
     if m > 16:
         alt["tiled"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP), rep)
+        best = getattr(tiled_kernel, "best_config", None)  # the autotuner's choice for this M bucket, N and K
+        row["tiled_autotuned"] = None if best is None else str(best)
         alt["tiled_unsplit"] = _time_us(lambda i: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, split_k=1), rep)
+        for c in extra:
+            kw = c.kwargs
+            label = f"tiled_{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}w{c.num_warps}s{c.num_stages}"
+            label += "" if kw["EXPAND"] else "n"
+            alt[label] = _time_us(lambda i, c=c: tk.matmul_tiled(x, qweight[i], scales[i], 4, GROUP, config=c), rep)
 
         def dequant_mm(i: int) -> torch.Tensor:
             return x @ tk.dequantize(qweight[i], scales[i], 4, GROUP, dtype=torch.bfloat16).t()
@@ -149,6 +167,12 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(KERNEL_SHAPES), choices=list(KERNEL_SHAPES))
     ap.add_argument("--m", nargs="+", type=int, default=list(KERNEL_MS))
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
+    ap.add_argument(
+        "--tiled-config",
+        nargs="*",
+        default=[],
+        help="tiled-kernel launches to time beside the autotuned one: BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,noexpand]",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -162,7 +186,7 @@ def main() -> None:
     for name in args.shapes:
         k, n = KERNEL_SHAPES[name]
         for m in args.m:
-            r = bench_shape(name, k, n, m, args.rep)
+            r = bench_shape(name, k, n, m, args.rep, [tiled_config(s) for s in args.tiled_config])
             rows.append(r)
             alt = " ".join(f"{p}={t:.1f}" for p, t in r["alt_us"].items())
             print(
