@@ -6,8 +6,9 @@ GLA state carried between chunks), collect the statistics of each input group, h
 statistics to the quantizer, then propagate the samples through the layer the quantizer returns (or
 through the float layer). Hidden states stay in CPU memory between layers. Each finished layer is
 recorded in a work folder with a fingerprint of model, data and settings, and the hidden states after it are
-saved at each resume point (every layer on a CPU, every ``GPU_RESUME_EVERY``-th on a GPU, and the last), so an
-interrupted run resumes after the last resume point and produces the same bytes as an uninterrupted one.
+saved at each resume point (every layer on a CPU, every ``GPU_RESUME_EVERY``-th on a GPU; the last layer is
+recorded without them, since no layer reads them), so an interrupted run resumes after the last resume point
+and produces the same bytes as an uninterrupted one.
 
 With several processes (``torchrun``, ``salaquant.calibration.distributed``) each holds the samples of its leaves of the
 statistics tree (``.shards``), the processes' statistics are added in that fixed tree before each layer
