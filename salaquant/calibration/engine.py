@@ -523,12 +523,12 @@ class CalibrationEngine:
         files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
         hs: list[torch.Tensor],
     ) -> list[Future[Any] | None]:
-        """Queue layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the hidden
-        states after it, one job per leaf, then the state that marks layers up to ``i`` finished. Returns the
-        leaves' jobs (none between resume points), which the next propagation waits for one at a time. Layers after
-        the last resume point are computed again by a resumed run (same bytes: the computation is deterministic).
-        The last layer's outputs are not saved: a run resumed after it has no layer left to feed. The digests of
-        the tensors the layer read (and, with the first layer, of the non-layer tensors) go into the state too."""
+        """Queue layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the state
+        that marks layers up to ``i`` finished, after the hidden states it resumes from, one job per leaf (none
+        after the last layer: no layer is left to read them). Returns the leaves' jobs, which the next propagation
+        waits for one at a time. Layers after the last resume point are computed again by a resumed run (same
+        bytes: the computation is deterministic). The digests of the tensors the layer read (and, with the first
+        layer, of the non-layer tensors) go into the state too."""
         writer.submit(self._persist_layer_files, i, files)
         if not self._resume_point_after(i):
             return []

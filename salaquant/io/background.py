@@ -52,16 +52,15 @@ class BackgroundWriter:
 
     def drain(self) -> None:
         """Wait for every submitted job; re-raise the first failure (the jobs behind it did not run)."""
-        first: BaseException | None = None
+        first: BaseException | None = None  # jobs before it succeeded, jobs behind it were skipped
         while self._pending:
             try:
                 self._pending.popleft().result()
             except BaseException as e:
                 first = first or e
-        # every job has ended, so the worker is idle: the next batch starts afresh
-        failure, self._failure = self._failure, None
+        self._failure = None  # every job has ended, so the worker is idle: the next batch starts afresh
         if first is not None:
-            raise failure or first
+            raise first
 
     def close(self) -> None:
         """Wait for everything, then stop the worker (also when a job failed)."""
