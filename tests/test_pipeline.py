@@ -266,11 +266,11 @@ def test_propagation_overwrites_a_leaf_once_its_file_is_written(
 
     run_sample, layer_pass = CalibrationEngine._run_sample, CalibrationEngine._layer
 
-    def logged_sample(self, layer, h, out) -> None:
+    def logged_sample(self, layer, h, out, chunks) -> None:
         if out is h:  # the propagation writing over its inputs
             with lock:
                 events.append(("propagate", h.data_ptr()))
-        run_sample(self, layer, h, out)
+        run_sample(self, layer, h, out, chunks)
 
     def logged_layer(self, i, *args):
         with lock:
@@ -280,6 +280,7 @@ def test_propagation_overwrites_a_leaf_once_its_file_is_written(
     monkeypatch.setattr(pipeline, "_atomic_save", slow_save)
     monkeypatch.setattr(CalibrationEngine, "_run_sample", logged_sample)
     monkeypatch.setattr(CalibrationEngine, "_layer", logged_layer)
+    monkeypatch.setattr(pipeline.host_memory, "second_set_fits", lambda *_: False)  # one set: in place
     engine = CalibrationEngine(tiny_ckpt, _samples([120, 300, 40, 75, 60]), tmp_path / "w", _opts(resume_every=1))
     engine.run(_RoundToNearest())
     leaf_of = {
@@ -300,6 +301,63 @@ def test_propagation_overwrites_a_leaf_once_its_file_is_written(
             assert saved.get(leaf, 0) >= layer, f"layer {layer} overwrote leaf {leaf} before its file was written"
             overlapped += any(saved.get(v, 0) < layer for v in engine.ranks.leaves())  # a file still to come
     assert layer == 3 and overlapped > 0, f"no propagation ran while a resume point was still being written: {events}"
+
+
+def test_a_second_set_takes_the_outputs_while_a_resume_point_is_written(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a second set fits, the propagation after a resume point writes to it while the files are still being
+    written (it waits for none of them) and the run ends with the same outputs and files as a run with one set."""
+    import time
+
+    import salaquant.calibration.engine as pipeline
+
+    samples = _samples([120, 300, 40, 75, 60])
+
+    def run(second: bool, work: Path) -> tuple[CalibrationEngine, list[tuple[bool, bool]]]:
+        seen: list[tuple[bool, bool]] = []  # per propagation: (in place, a hidden-state file still being written)
+        save = pipeline._atomic_save
+        pending = {"n": 0}
+
+        def slow_save(tensors: dict, path: Path) -> None:
+            if path.parent.name == "hidden":
+                time.sleep(0.05)
+            save(tensors, path)
+
+        run_sample = CalibrationEngine._run_sample
+
+        def logged_sample(self, layer, h, out, chunks) -> None:
+            if out is not None and self.opts.propagate == "quantized":
+                seen.append((out is h, pending["n"] > 0))
+            run_sample(self, layer, h, out, chunks)
+
+        def counted_submit(self, writer, i, files, hs):
+            jobs = submit(self, writer, i, files, hs)
+            for job in jobs:
+                pending["n"] += 1
+                job.add_done_callback(lambda _j: pending.__setitem__("n", pending["n"] - 1))
+            return jobs
+
+        submit = CalibrationEngine._submit_persist
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "_atomic_save", slow_save)
+            m.setattr(CalibrationEngine, "_run_sample", logged_sample)
+            m.setattr(CalibrationEngine, "_submit_persist", counted_submit)
+            m.setattr(pipeline.host_memory, "second_set_fits", lambda *_: second)
+            engine = CalibrationEngine(tiny_ckpt, samples, work, _opts(resume_every=1))
+            engine.run(_RoundToNearest())
+        return engine, seen
+
+    two, seen_two = run(True, tmp_path / "two")
+    one, seen_one = run(False, tmp_path / "one")
+    assert any(not in_place and busy for in_place, busy in seen_two), seen_two
+    assert not any(in_place and busy for in_place, busy in seen_two), "wrote in place while a file was written"
+    assert all(in_place for in_place, _ in seen_one)
+    for a, b in zip(two.final_hidden, one.final_hidden, strict=True):
+        assert torch.equal(a, b)
+    for path in sorted((tmp_path / "one").rglob("*.safetensors")):
+        other = tmp_path / "two" / path.relative_to(tmp_path / "one")
+        assert other.read_bytes() == path.read_bytes(), path.name
 
 
 def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:

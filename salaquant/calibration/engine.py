@@ -17,11 +17,12 @@ number of processes. Rank 0 writes the layer files and the resume state; the hid
 (``hidden/leafN.safetensors``, by the process owning it), so a run resumes with any number of processes.
 
 The hidden states live in pinned CPU memory, one set of buffers: the propagation pass writes each sample's
-outputs over its inputs, chunk by chunk, with the copies queued behind the compute and one wait per pass, not
-per sample. A resume point's files are written one leaf at a time in the background, and the next propagation
-overwrites a leaf's buffers as soon as that leaf's file is written, not after the whole set. (Float
-propagation, where the statistics pass also produces the outputs, uses a second set, and the two swap roles
-from layer to layer.)
+outputs over its inputs, chunk by chunk, with the copies on side streams beside the compute (``transfers``) and
+one wait per pass, not per sample. A resume point's files are written one leaf at a time in the background, and
+the next propagation overwrites a leaf's buffers as soon as that leaf's file is written, not after the whole set;
+where memory allows a second set (``host_memory.second_set_fits``), that propagation writes to it instead and
+waits for no file. (Float propagation, where the statistics pass also produces the outputs, always uses a second
+set, and the two swap roles from layer to layer.)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ from .host_memory import empty_pinned_cache
 from .resume_state import ResumeState
 from .shards import LEAVES, TreeSum, split_leaves
 from .stats import LayerStats
+from .transfers import ChunkStream
 
 log = logging.getLogger("salaquant.calibration.engine")
 
@@ -152,6 +155,7 @@ class CalibrationEngine:
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
         same_everywhere(self.fingerprint, ranks, "the model, calibration data or settings")
         self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
+        self._second_set = False  # a propagation may write to a second set while a resume point is being written
         self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs of ``own``, after run()
 
     def release(self) -> None:
@@ -196,26 +200,41 @@ class CalibrationEngine:
         if float_sets and quantizer is not None:
             advice += ", or quantized propagation (--propagate quantized; half the hidden-state memory)"
         message = host_memory.check_host_memory(plan, host_memory.meminfo, advice=advice)
+        resume_points_save = self.resume_every < self.config.num_hidden_layers  # one before the last layer
+        if not float_sets and resume_points_save and host_memory.second_set_fits(plan, host_memory.meminfo):
+            self._second_set = True
+            plan = replace(plan, sets=2)
         log.info("host memory: %s", plan.describe())
         if message is not None:
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ compute
+    def _chunk_spans(self, t: int) -> list[tuple[int, int]]:
+        """The (start, length) of each token chunk of a sample of ``t`` tokens."""
+        step = self.opts.chunk_tokens
+        return [(start, min(step, t - start)) for start in range(0, t, step)]
+
+    def _pass_chunks(self, hs: list[torch.Tensor]) -> ChunkStream:
+        """The chunks of every sample of ``hs`` this process owns, in the order a pass takes them (leaf order)."""
+        order = (
+            hs[j][:, s : s + n] for rows in self._leaf_rows for j in rows for s, n in self._chunk_spans(hs[j].shape[1])
+        )
+        return ChunkStream(self.device, order)
+
     @torch.no_grad()
-    def _run_sample(self, layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor | None) -> None:
+    def _run_sample(self, layer: DecoderLayer, h: torch.Tensor, out: torch.Tensor | None, chunks: ChunkStream) -> None:
         """One sample [1, T, hidden] through one layer in token chunks, into ``out`` (None: outputs dropped).
 
-        Copies to and from CPU buffers are queued on the compute stream without waiting; `_sync` ends a pass.
+        ``chunks`` holds the pass's inputs, copied one ahead; the copies back are queued without waiting, and
+        `_sync` ends a pass.
         """
         cache = LightningLayerCache() if layer.kind == LIGHTNING else SparseLayerCache()
-        t = h.shape[1]
-        for start in range(0, t, self.opts.chunk_tokens):
-            n = min(self.opts.chunk_tokens, t - start)
-            x = h[:, start : start + n].to(self.device, non_blocking=True)
+        for start, n in self._chunk_spans(h.shape[1]):
+            x = chunks.take()
             y = layer(x, layer_rope(self.config, layer.kind, start, n, self.device), cache, self.opts.attention_mode)
             if out is not None:
-                out[:, start : start + n].copy_(y, non_blocking=True)
+                chunks.put(y, out[:, start : start + n])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -331,11 +350,14 @@ class CalibrationEngine:
                 writer.wait(leaf_saved[k])
                 timings["save"] += time.perf_counter() - t0
 
+        def saving() -> bool:  # a resume point's hidden states are still being written
+            return any(job is not None and not job.done() for job in leaf_saved)
+
         try:
             for i in range(finished, n_layers):
                 t_layer = time.perf_counter()
                 inputs = hs
-                hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_leaf)
+                hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_leaf, saving)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
                 writer.drain()
@@ -396,13 +418,16 @@ class CalibrationEngine:
         progress,
         timings: dict[str, float],
         wait_for_leaf: Callable[[int], None],
+        saving: Callable[[], bool],
     ) -> tuple[list[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, Any]] | None]:
         """Layer ``i`` over every sample: its outputs, and the files to write for it (written by the caller).
 
         The propagation pass with the quantized layer writes each sample's outputs over its inputs, chunk by chunk
         (a chunk's copy back is queued after its copy in), so the run holds one set of hidden states, not two;
         before each leaf ``wait_for_leaf`` lets the background writer finish with that leaf's buffers (the resume
-        point it may be saving). The float propagation (statistics and outputs in one pass) writes to a second set."""
+        point it may be saving). Where memory allows a second set (``host_memory.second_set_fits``) and the
+        writer is still ``saving`` them, it writes to the second set instead and waits for nothing. The float
+        propagation (statistics and outputs in one pass) always writes to a second set."""
         cfg = self.config
         t0 = time.perf_counter()
         layer = self.parts.layer(i)
@@ -420,14 +445,16 @@ class CalibrationEngine:
         tree: TreeSum[LayerStats] = TreeSum(_merge_by_name)
         # the outputs are dropped when there is no float copy to keep: the layer's last product is then not needed
         with last_product_skipped(layer) if float_out is None else contextlib.nullcontext():
+            chunks = self._pass_chunks(hs)
             for rows in self._leaf_rows:  # each leaf's sums apart, added in the fixed tree (calibration.shards)
                 for j in rows:
-                    self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None)
+                    self._run_sample(layer, hs[j], float_out[j] if float_out is not None else None, chunks)
                     if collector is not None:
                         collector.end_sample()
                     progress.sample_done(j, hs[j].shape[1])
                 if collector is not None:
                     tree.push(collector.next_leaf())
+            chunks.done()
         self._sync()
         stats: LayerStats = {}
         if collector is not None:
@@ -465,16 +492,20 @@ class CalibrationEngine:
         observed: TreeSum[dict[str, Observer]] = TreeSum(_merge_by_name)
 
         def propagate(through: DecoderLayer, observe: dict[str, Observer], out: list[torch.Tensor] | None) -> None:
+            # the copy ahead may read leaf k while the writer still reads it; only the outputs, queued after
+            # wait_for_leaf(k), write to it
+            chunks = self._pass_chunks(hs)
             for k, rows in enumerate(self._leaf_rows):
                 if out is hs:
                     wait_for_leaf(k)
                 current.clear()
                 current.update({name: obs.fresh() for name, obs in observe.items()})
                 for j in rows:
-                    self._run_sample(through, hs[j], out[j] if out is not None else None)
+                    self._run_sample(through, hs[j], out[j] if out is not None else None, chunks)
                     progress.sample_done(j, hs[j].shape[1])
                 if hooks:
                     observed.push(dict(current))
+            chunks.done()
             self._sync()
 
         try:
@@ -488,7 +519,7 @@ class CalibrationEngine:
             else:
                 t0 = time.perf_counter()
                 progress.phase(i, layer.kind, "propagate")
-                out = hs  # in place
+                out = self._outputs(hs) if self._second_set and saving() else hs  # else in place
                 propagate(qlayer, result.observe, out)
                 timings["propagate"] += time.perf_counter() - t0
         finally:

@@ -23,6 +23,7 @@ __all__ = [
     "meminfo",
     "plan_host_memory",
     "process_memory",
+    "second_set_fits",
 ]
 
 GIB = 2**30
@@ -128,6 +129,22 @@ def check_host_memory(
             f"(of {total / GIB:.1f} GiB): the run may swap or be killed"
         )
     return None
+
+
+SECOND_SET_SHARE = 0.5
+"""A second set of hidden states is kept only where both sets and the layer take at most this share of the memory
+available at the start: the rest stays for the page cache the resume points' files are written through, and for
+other processes."""
+
+
+def second_set_fits(plan: HostMemoryPlan, read: Callable[[], tuple[int, int] | None] = meminfo) -> bool:
+    """Whether ``plan`` with two sets of hidden states takes at most ``SECOND_SET_SHARE`` of the memory available
+    now (``False`` where that cannot be read)."""
+    info = read()
+    if info is None:
+        return False
+    two = HostMemoryPlan(plan.hidden_bytes, 2, plan.pinned, plan.layer_bytes)
+    return two.total_bytes <= SECOND_SET_SHARE * info[0]
 
 
 def empty_pinned_cache() -> bool:
