@@ -164,6 +164,30 @@ class QuantRun:
     rounding: str | None = None
 
 
+def layer_digests(folder: Path) -> dict[str, str]:
+    """sha256 of an export's tensors per decoder layer (``"-1"``: the rest), over each tensor's name, dtype, shape and
+    bytes in name order, whatever shard holds it: two runs' exports compare layer by layer, so a difference is
+    found where it starts."""
+    import hashlib
+    import re
+
+    from safetensors import safe_open
+
+    hashes: dict[int, Any] = {}
+    names: list[tuple[str, Path]] = []
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            names += [(name, shard) for name in f.keys()]  # noqa: SIM118 (safe_open is no mapping)
+    for name, shard in sorted(names):
+        with safe_open(str(shard), framework="pt") as f:
+            t = f.get_tensor(name)
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        h = hashes.setdefault(int(layer.group(1)) if layer else -1, hashlib.sha256())
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}:".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {str(k): hashes[k].hexdigest() for k in sorted(hashes)}
+
+
 def _budget_figures(report: dict[str, Any]) -> dict[str, Any]:
     """``{"budget": the search's figures less its units}`` where the run searched a budget, else nothing."""
     searched = report.get("budget")
@@ -218,6 +242,7 @@ def run_quantizer(job: QuantRun, device: str) -> dict[str, Any]:
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
         "peak_cpu_rss_gib": _rss_gib(),  # the process's peak so far (earlier work in the process included)
         "cpu_rss_gib_by_phase": rss.summary(),  # sampled every 0.1 s during this quantizer only
+        "layer_sha256": layer_digests(out),  # after the timing
         **_budget_figures(report),
     }
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from salaquant.model.tiny import preset_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +33,7 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
         assert phases["setup"] > 0 and 0 < phases["calibration_first_layer"] <= phases["calibration_layers_max"]
         assert phases["export_and_check"] > 0
         assert max(phases.values()) <= r["peak_cpu_rss_gib"] + 0.01
+        assert set(r["layer_sha256"]) == {"-1", *map(str, range(preset_config("tiny")["num_hidden_layers"]))}
     b = res["gptq_budget"]
     assert b["budget"]["achieved_bytes"] == b["budget"]["predicted_bytes"] <= b["budget"]["budget_bytes"]
     assert b["export_bytes"] > res["gptq"]["export_bytes"]  # 5.5 bits: more than uniform 4-bit
@@ -72,3 +75,36 @@ def test_trace_summary_by_hand() -> None:
     assert r["busy_s"] == 0.8 and r["busy_fraction"] == 0.2 and r["kernel_sum_s"] == 1.0 and r["copy_sum_s"] == 0.25
     assert r["kernels"] == 3 and r["markers"] == {"launched": 3, "found": 3}
     assert r["top"] == [{"name": "gemm", "s": 0.8, "calls": 2}]
+
+
+def test_layer_digests_find_the_layer_that_differs(tmp_path: Path) -> None:
+    """Two exports, the second sharded differently and with one value of layer 1 changed: every digest but layer
+    1's is the same (by name, not by shard), and layer 1's differs."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from pipeline import layer_digests
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.qweight": torch.randint(-(2**31), 2**31 - 1, (4, 8), dtype=torch.int32),
+        "model.layers.1.mlp.down_proj.weight_scale": torch.randn(4, 2, generator=g).to(torch.float8_e4m3fn),
+        "model.layers.10.input_layernorm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+    }
+    (tmp_path / "a").mkdir()
+    save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
+    changed = dict(tensors)
+    scale = changed["model.layers.1.mlp.down_proj.weight_scale"].clone()
+    scale.view(torch.uint8)[0, 0] ^= 1  # one bit of one value
+    changed["model.layers.1.mlp.down_proj.weight_scale"] = scale
+    (tmp_path / "b").mkdir()
+    names = sorted(changed)
+    save_file({k: changed[k] for k in names[:2]}, str(tmp_path / "b" / "model-00001-of-00002.safetensors"))
+    save_file({k: changed[k] for k in names[2:]}, str(tmp_path / "b" / "model-00002-of-00002.safetensors"))
+    a, b = layer_digests(tmp_path / "a"), layer_digests(tmp_path / "b")
+    assert set(a) == set(b) == {"-1", "0", "1", "10"}
+    assert [k for k in a if a[k] != b[k]] == ["1"]
