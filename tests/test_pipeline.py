@@ -103,7 +103,7 @@ def test_release_frees_both_hidden_state_sets(tiny_ckpt_fp32: Path, tmp_path: Pa
     engine = CalibrationEngine(tiny_ckpt_fp32, _samples([70, 40]), tmp_path / "w", _opts(propagate="float"))
     result = engine.run()
     assert engine.final_hidden is not None and engine._spare is not None
-    held = [weakref.ref(t) for t in (*engine.final_hidden, *engine._spare)]
+    held = [weakref.ref(t) for t in (*engine.final_hidden, *engine._spare[0])]
     engine.release()
     gc.collect()
     assert engine.final_hidden is None and all(r() is None for r in held)
@@ -332,11 +332,11 @@ def test_a_second_set_takes_the_outputs_while_a_resume_point_is_written(
             run_sample(self, layer, h, out, chunks)
 
         def counted_submit(self, writer, i, files, hs):
-            jobs = submit(self, writer, i, files, hs)
+            jobs, last = submit(self, writer, i, files, hs)
             for job in jobs:
                 pending["n"] += 1
                 job.add_done_callback(lambda _j: pending.__setitem__("n", pending["n"] - 1))
-            return jobs
+            return jobs, last
 
         submit = CalibrationEngine._submit_persist
         with monkeypatch.context() as m:
@@ -358,6 +358,69 @@ def test_a_second_set_takes_the_outputs_while_a_resume_point_is_written(
     for path in sorted((tmp_path / "one").rglob("*.safetensors")):
         other = tmp_path / "two" / path.relative_to(tmp_path / "one")
         assert other.read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize(("propagate", "second"), [("quantized", False), ("quantized", True), ("float", True)])
+def test_no_buffer_changes_while_its_file_is_written(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, propagate: str, second: bool
+) -> None:
+    """Every resume point's hidden states, written slowly while the next layers run, hold the same values when their
+    write ends as when it began: no propagation writes over them and no spare set is reused before they are on
+    disk. The run ends with the same outputs as one whose writes block. With a second set (always so with float
+    propagation) the first resume point's files are held back until layer 2 begins: the run waits for a layer's
+    files two layers later, not one (a run waiting earlier would never reach layer 2, and the hold times out)."""
+    import hashlib
+    import threading
+    import time
+
+    import salaquant.calibration.engine as pipeline
+
+    save = pipeline._atomic_save
+    changed: list[str] = []
+    layer_two = threading.Event()
+    held = {"first": True, "timed_out": False}
+
+    def digest(tensors: dict) -> str:
+        h = hashlib.sha256()
+        for k in sorted(tensors):
+            h.update(tensors[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def slow_save(tensors: dict, path: Path) -> None:
+        if path.parent.name == "hidden":
+            before = digest(tensors)
+            if second and held["first"]:  # the resume point after layer 0
+                held["timed_out"] |= not layer_two.wait(timeout=10)
+            time.sleep(0.05)
+            if digest(tensors) != before:
+                changed.append(path.name)
+        save(tensors, path)
+
+    layer_pass, submit = CalibrationEngine._layer, CalibrationEngine._submit_persist
+
+    def logged_layer(self, i, *args):
+        if i == 2:
+            layer_two.set()
+        return layer_pass(self, i, *args)
+
+    def marked_submit(self, writer, i, *args):
+        if i == 1:  # the first resume point's jobs are all queued before layer 1's
+            writer.submit(held.__setitem__, "first", False)
+        return submit(self, writer, i, *args)
+
+    samples = _samples([120, 300, 40, 75, 60])
+    monkeypatch.setattr(pipeline.host_memory, "second_set_fits", lambda *_: second)
+    want = CalibrationEngine(tiny_ckpt, samples, tmp_path / "b", _opts(propagate=propagate, background_writes=False))
+    want.run(_RoundToNearest())
+    monkeypatch.setattr(pipeline, "_atomic_save", slow_save)
+    monkeypatch.setattr(CalibrationEngine, "_layer", logged_layer)
+    monkeypatch.setattr(CalibrationEngine, "_submit_persist", marked_submit)
+    engine = CalibrationEngine(tiny_ckpt, samples, tmp_path / "a", _opts(propagate=propagate))
+    engine.run(_RoundToNearest())
+    assert not changed, f"buffers written over while their files were written: {changed}"
+    assert not held["timed_out"], "the run waited for the first resume point's files before layer 2"
+    for got, ref in zip(engine.final_hidden, want.final_hidden, strict=True):
+        assert torch.equal(got, ref)
 
 
 def test_resume_refuses_different_inputs(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ set, and the two swap roles from layer to layer.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -87,6 +88,13 @@ on the H200 machine (about 0.95 GB/s once the page cache is full), while the wor
 layer's propagation must wait for it (load, statistics, solve) is about 2.8 s a layer: one per layer would add
 about 26 s to the 139 s run, against at most 3 layers (about 13 s) computed again after an interruption. On a
 CPU a layer takes far longer than writing its hidden states (the shipped model: seconds a layer for 64 KB)."""
+
+
+WRITE_LAG = 2
+"""After layer i the run waits for the files of layer i - WRITE_LAG and earlier, so a resume point's hidden states
+(3.76 GB, about 4-5 s to write at the H100 machine's disk rate) may take the next two layers to be written rather
+than one (a layer takes about 3.6 s at the full shape); a failed write stops the run that much later. The buffers
+they are written from are not reused before they are written."""
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -154,7 +162,8 @@ class CalibrationEngine:
         self.fingerprint = self.state.fingerprint
         self.dtype = self.reader.dtype("model.embed_tokens.weight")
         same_everywhere(self.fingerprint, ranks, "the model, calibration data or settings")
-        self._spare: list[torch.Tensor] | None = None  # CPU buffers free for the next layer's outputs
+        # CPU buffers for the next layer's outputs, and a wait for the writer to be done reading them
+        self._spare: tuple[list[torch.Tensor], Callable[[], None]] | None = None
         self._second_set = False  # a propagation may write to a second set while a resume point is being written
         self.final_hidden: list[torch.Tensor] | None = None  # the last layer's outputs of ``own``, after run()
 
@@ -250,10 +259,12 @@ class CalibrationEngine:
         return [v.view(shape) for v, shape in zip(slab.split(sizes), shapes, strict=True)]
 
     def _outputs(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Buffers for one layer's outputs: the spare CPU set (the inputs of the layer before) when there is one."""
+        """Buffers for one layer's outputs: the spare CPU set (the inputs of the layer before) when there is one,
+        once the writer no longer reads it."""
         spare, self._spare = self._spare, None
-        if spare is not None and [s.shape for s in spare] == [h.shape for h in hs]:
-            return spare
+        if spare is not None and [s.shape for s in spare[0]] == [h.shape for h in hs]:
+            spare[1]()
+            return spare[0]
         return self._alloc_set([h.shape for h in hs], hs[0].dtype)
 
     def _embed(self) -> list[torch.Tensor]:
@@ -343,12 +354,16 @@ class CalibrationEngine:
         # written while layer i + 1 computes; the state names layer i finished only once all of them are on disk.
         writer = BackgroundWriter(enabled=self.opts.background_writes)
         leaf_saved: list[Future[Any] | None] = []  # the writer's job for each own leaf's hidden-state file
+        last_job: dict[int, Future[Any] | None] = {}  # each recent layer's last job
+
+        def wait_for(job: Future[Any] | None) -> None:
+            t0 = time.perf_counter()
+            writer.wait(job)
+            timings["save"] += time.perf_counter() - t0
 
         def wait_for_leaf(k: int) -> None:  # before the buffers of leaf k, which it may be reading, are overwritten
             if k < len(leaf_saved):
-                t0 = time.perf_counter()
-                writer.wait(leaf_saved[k])
-                timings["save"] += time.perf_counter() - t0
+                wait_for(leaf_saved[k])
 
         def saving() -> bool:  # a resume point's hidden states are still being written
             return any(job is not None and not job.done() for job in leaf_saved)
@@ -360,11 +375,11 @@ class CalibrationEngine:
                 hs, files = self._layer(i, hs, quantizer, progress, timings, wait_for_leaf, saving)
                 layer_seconds.append((i, cfg.mixer_types[i], time.perf_counter() - t_layer))
                 t0 = time.perf_counter()
-                writer.drain()
-                if hs is not inputs:
-                    self._spare = inputs  # nothing reads them any more: the writer is done with them
+                writer.wait(last_job.pop(i - WRITE_LAG, None))  # and every job before it
+                if hs is not inputs:  # the writer reads them until layer i - 1's jobs end
+                    self._spare = (inputs, functools.partial(wait_for, last_job.get(i - 1)))
                 del inputs
-                leaf_saved[:] = self._submit_persist(writer, i, files, hs)
+                leaf_saved[:], last_job[i] = self._submit_persist(writer, i, files, hs)
                 if self.ranks.parallel and self._resume_point_after(i):
                     writer.drain()  # every process's hidden states on disk before rank 0 records the layer
                     t1 = time.perf_counter()
@@ -553,16 +568,16 @@ class CalibrationEngine:
         i: int,
         files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
         hs: list[torch.Tensor],
-    ) -> list[Future[Any] | None]:
+    ) -> tuple[list[Future[Any] | None], Future[Any] | None]:
         """Queue layer ``i``'s files; at a resume point (every ``resume_every`` layers, and the last) also the state
         that marks layers up to ``i`` finished, after the hidden states it resumes from, one job per leaf (none
         after the last layer: no layer is left to read them). Returns the leaves' jobs, which the next propagation
-        waits for one at a time. Layers after the last resume point are computed again by a resumed run (same
-        bytes: the computation is deterministic). The digests of the tensors the layer read (and, with the first
-        layer, of the non-layer tensors) go into the state too."""
-        writer.submit(self._persist_layer_files, i, files)
+        waits for one at a time, and the last job queued. Layers after the last resume point are computed again by
+        a resumed run (same bytes: the computation is deterministic). The digests of the tensors the layer read
+        (and, with the first layer, of the non-layer tensors) go into the state too."""
+        last = writer.submit(self._persist_layer_files, i, files)
         if not self._resume_point_after(i):
-            return []
+            return [], last
         saved: list[Future[Any] | None] = []
         if i + 1 < self.config.num_hidden_layers:
             (self.work_dir / "hidden").mkdir(exist_ok=True)
@@ -570,9 +585,11 @@ class CalibrationEngine:
                 writer.submit(self._save_hidden_leaf, v, rows, hs)
                 for v, rows in zip(self.ranks.leaves(), self._leaf_rows, strict=True)
             ]
+        if saved:
+            last = saved[-1]
         if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
-            writer.submit(self.state.write, i + 1)
-        return saved
+            last = writer.submit(self.state.write, i + 1)
+        return saved, last
 
     def _persist_layer_files(self, i: int, files: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
         if self.ranks.main:

@@ -49,6 +49,9 @@ class BackgroundWriter:
             future.result()
         except BaseException as e:
             raise self._failure or e from None
+        while self._pending:  # it and every job before it ended well: nothing left for drain to report
+            if self._pending.popleft() is future:
+                break
 
     def drain(self) -> None:
         """Wait for every submitted job; re-raise the first failure (the jobs behind it did not run)."""
