@@ -30,8 +30,8 @@ def _pass_in_place(hs: list[torch.Tensor], step: int, device: torch.device, spin
 
 def _samples(lengths: list[int], width: int, pin: bool) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, t, width, generator=g).to(torch.bfloat16).pin_memory() if pin else
-            torch.randn(1, t, width, generator=g).to(torch.bfloat16) for t in lengths]  # fmt: skip
+    hs = [torch.randn(1, t, width, generator=g).to(torch.bfloat16) for t in lengths]
+    return [h.pin_memory() for h in hs] if pin else hs
 
 
 def test_chunks_in_order_and_outputs_in_place_on_cpu() -> None:

@@ -585,8 +585,7 @@ class CalibrationEngine:
                 writer.submit(self._save_hidden_leaf, v, rows, hs)
                 for v, rows in zip(self.ranks.leaves(), self._leaf_rows, strict=True)
             ]
-        if saved:
-            last = saved[-1]
+            last = saved[-1] if saved else last
         if not self.ranks.parallel:  # several processes: rank 0 records it once all have saved (run loop)
             last = writer.submit(self.state.write, i + 1)
         return saved, last

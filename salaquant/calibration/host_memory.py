@@ -10,7 +10,7 @@ of work: this module says so up front.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -143,8 +143,7 @@ def second_set_fits(plan: HostMemoryPlan, read: Callable[[], tuple[int, int] | N
     info = read()
     if info is None:
         return False
-    two = HostMemoryPlan(plan.hidden_bytes, 2, plan.pinned, plan.layer_bytes)
-    return two.total_bytes <= SECOND_SET_SHARE * info[0]
+    return replace(plan, sets=2).total_bytes <= SECOND_SET_SHARE * info[0]
 
 
 def empty_pinned_cache() -> bool:
