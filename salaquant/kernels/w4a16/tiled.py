@@ -30,9 +30,6 @@ else:
         config(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
         config(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, EXPAND=False),
         config(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
-        # 64-row tiles that compile without spilling on sm_90 (docs/kernels.md, "Tuning tables and defaults")
-        config(8, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, EXPAND=True),
-        config(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, EXPAND=True),
     ]
 
 
