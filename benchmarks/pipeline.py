@@ -455,6 +455,31 @@ def _row_key(method: str, rounding: str | None) -> str:
     return method if rounding is None else f"{method}-{rounding}"
 
 
+def prepare_inputs(args: argparse.Namespace, device: str) -> tuple[Path, Path, list[int], float | None]:
+    """The random-weight checkpoint of ``args.preset`` (first ``args.layers`` layers; written once into
+    ``args.scratch``, reused after) with the shipped tokenizer, and the calibration JSONL of one ``args.long`` and
+    ``args.short_count`` x ``args.short`` tokens. Returns the checkpoint, the JSONL, the samples' token counts and the
+    seconds the checkpoint took to write (None: reused)."""
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    model = args.scratch / (f"random-{args.preset}" + (f"-{args.layers}l" if args.layers else ""))
+    write_s = None
+    if not (model / "config.json").exists():
+        t0 = time.perf_counter()
+        config = preset_config(args.preset)
+        if args.layers:
+            config["num_hidden_layers"] = args.layers
+            config["mixer_types"] = config["mixer_types"][: args.layers]
+        config["vocab_size"] = max(int(config["vocab_size"]), TOKENIZER_VOCAB)  # the shipped tokenizer's ids fit
+        write_random_checkpoint(model, config, seed=0, device=device, overwrite=True)
+        write_s = round(time.perf_counter() - t0, 1)
+    for f in TOKENIZER_SOURCE.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, model / f.name)
+    calib = args.scratch / "calib.jsonl"
+    lengths = calibration_jsonl(calib, load_tokenizer(model), [args.long] + [args.short] * args.short_count)
+    return model, calib, lengths, write_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="full")
@@ -490,24 +515,10 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    args.scratch.mkdir(parents=True, exist_ok=True)
-    model = args.scratch / (f"random-{args.preset}" + (f"-{args.layers}l" if args.layers else ""))
-    if not (model / "config.json").exists():
-        t0 = time.perf_counter()
-        config = preset_config(args.preset)
-        if args.layers:
-            config["num_hidden_layers"] = args.layers
-            config["mixer_types"] = config["mixer_types"][: args.layers]
-        config["vocab_size"] = max(int(config["vocab_size"]), TOKENIZER_VOCAB)  # the shipped tokenizer's ids fit
-        write_random_checkpoint(model, config, seed=0, device=device, overwrite=True)
-        res["write_checkpoint_s"] = round(time.perf_counter() - t0, 1)
-    for f in TOKENIZER_SOURCE.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(f, model / f.name)
+    model, calib, lengths, write_s = prepare_inputs(args, device)
+    if write_s is not None:
+        res["write_checkpoint_s"] = write_s
     cfg = SalaConfig.from_file(model)
-    tok = load_tokenizer(model)
-    calib = args.scratch / "calib.jsonl"
-    lengths = calibration_jsonl(calib, tok, [args.long] + [args.short] * args.short_count)
     max_len = max(lengths)
     params = sum(math.prod(shape) for shape in parameter_shapes(cfg).values())
     res.update({"preset": args.preset, "parameters": params, "calibration_lengths": lengths})

@@ -108,3 +108,55 @@ def test_layer_digests_find_the_layer_that_differs(tmp_path: Path) -> None:
     a, b = layer_digests(tmp_path / "a"), layer_digests(tmp_path / "b")
     assert set(a) == set(b) == {"-1", "0", "1", "10"}
     assert [k for k in a if a[k] != b[k]] == ["1"]
+
+
+def _determinism_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import determinism
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return determinism
+
+
+def test_determinism_smoke(tmp_path: Path) -> None:
+    """Two CPU runs of the tiny model: every layer has all four records, and nothing differs (the CPU path is
+    deterministic)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "determinism.py"), "--out", str(tmp_path / "out")]
+    cmd += ["--preset", "tiny", "--long", "300", "--short", "64", "--short-count", "2", "--runs", "2"]
+    cmd += ["--scratch", str(tmp_path / "scratch")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / "determinism-gptq.json").read_text())
+    layers = preset_config("tiny")["num_hidden_layers"]
+    assert res["first_difference"] == [{"inputs": None, "weights": None, "stats": None, "export": None}]
+    for run in res["runs"]:
+        assert list(run["layers"]) == [str(i) for i in range(layers)]
+        for entry in run["layers"].values():
+            assert set(entry) == {"inputs", "weights", "stats", "export"}
+            assert {"mlp_in", "mlp_out"} <= set(entry["stats"])
+    first = res["runs"][0]["layers"]
+    assert len({entry["inputs"] for entry in first.values()}) == layers  # each layer reads other hidden states
+
+
+def test_checksums_see_one_bit_and_first_difference_names_the_layer() -> None:
+    import torch
+
+    det = _determinism_module()
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y = x.clone()
+    y.view(torch.int16)[2, 4] ^= 1  # one ulp of one value
+    assert det.bit_checksum(x) != det.bit_checksum(y)
+    z = torch.zeros(4)
+    assert det.bit_checksum(z) != det.bit_checksum(-z)  # -0.0 == 0.0 as values, not as bits
+    assert det.hidden_checksum([x, x]) != det.hidden_checksum([x, y])
+    run = {"layers": {str(i): {"inputs": i, "weights": 0, "stats": {"g": i}, "export": f"e{i}"} for i in range(4)}}
+    later = json.loads(json.dumps(run))
+    later["layers"]["2"]["stats"] = {"g": -1}  # the statistics of layer 2 part, then everything after them
+    for i in (2, 3):
+        later["layers"][str(i)]["export"] = "other"
+    later["layers"]["3"]["inputs"] = -3
+    assert det.first_difference([run, run, later]) == [
+        {"inputs": None, "weights": None, "stats": None, "export": None},
+        {"inputs": 3, "weights": None, "stats": 2, "export": 2},
+    ]
