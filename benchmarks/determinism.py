@@ -13,7 +13,8 @@ calibration mix of ``pipeline.py`` (same options), and records per decoder layer
 
 Then ``first_difference`` names, for each later run against the first, the first layer at which each record
 differs. Checksums are sums of the tensors' bit patterns as integers: any change of one value changes them. The
-checks synchronise the device before each layer, so the runs' timings are not the pipeline's.
+checks synchronise the device before each layer and add a few seconds a run, so the runs' timings are not the
+pipeline's.
 
   python benchmarks/determinism.py --out OUT --runs 2                      # full shape on a GPU
   python benchmarks/determinism.py --out /tmp/d --preset tiny --long 300 --short 64 --short-count 2   # CPU
@@ -49,9 +50,10 @@ def bit_checksum(t: torch.Tensor) -> int:
     return int(as_int.sum(dtype=torch.int64))
 
 
-def hidden_checksum(hs: list[torch.Tensor]) -> str:
-    """One digest of a pass's hidden states: the sha256 of every sample's bit checksum, in sample order."""
-    sums = [bit_checksum(h) for h in hs]
+def hidden_checksum(hs: list[torch.Tensor], device: torch.device | str = "cpu") -> str:
+    """One digest of a pass's hidden states: the sha256 of every sample's bit checksum, in sample order (each
+    sample summed on ``device``: on a GPU a copy there and its sum take a fraction of the CPU's time)."""
+    sums = [bit_checksum(h.to(device)) for h in hs]
     return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
 
 
@@ -75,7 +77,7 @@ def recording(log: dict[int, dict[str, Any]]) -> Iterator[None]:
     def layer_step(self: CalibrationEngine, i: int, hs: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        log.setdefault(i, {})["inputs"] = hidden_checksum(hs)
+        log.setdefault(i, {})["inputs"] = hidden_checksum(hs, self.device)
         return engine_layer(self, i, hs, *args, **kwargs)
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
