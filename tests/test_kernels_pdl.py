@@ -1,15 +1,23 @@
 """Programmatic dependent launch of the 4-bit matrix kernels (opt-in, ``pdl=True``): when the launch takes it, and
 on a GPU that a chain of kernels, each reading the previous one's output, gives the same bits with it as without,
-eagerly and captured in a CUDA graph."""
+eagerly and captured in a CUDA graph; and that the InfLLM-v2 kernels, which always take it, wait for the kernel before
+them before they touch memory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from salaquant.kernels import device as dev
+from salaquant.model.sparse_attention import SparseParams
 
 pytestmark = pytest.mark.random_inputs
+
+# K1 (8, 4), K2 (32, 16), 16-token blocks, 2 local blocks
+_SMALL = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
 
 
 def _pdl_kernels() -> list[str]:
@@ -112,3 +120,98 @@ def test_gpu_pdl_chain(fmt: str, m: int) -> None:
         torch.cuda.synchronize()
         assert torch.isfinite(expect.float()).all()
         assert torch.equal(y, expect)
+
+
+@triton.jit
+def _late_copy(src_ptr, dst_ptr, n, spins, BLOCK: tl.constexpr):
+    """Let dependent kernels start at once, then spend ``spins`` volatile loads before copying ``src`` to ``dst``."""
+    gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for _ in range(spins):
+        acc += tl.load(src_ptr + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask, other=0.0), mask=mask & (acc == acc))
+
+
+@triton.jit
+def _copy_without_wait(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """A dependent kernel that breaks the rule: it reads ``src`` without waiting for the kernel before it."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask, other=0.0), mask=mask)
+
+
+def _written_late(src: torch.Tensor, spins: int = 50_000) -> torch.Tensor:
+    """A NaN tensor like ``src`` that ``_late_copy`` fills with ``src`` milliseconds after it let the next kernel
+    start (queued, not waited for)."""
+    dst = torch.full_like(src, float("nan"))
+    n = src.numel()
+    _late_copy[(triton.cdiv(n, 1024),)](src, dst, n, spins, BLOCK=1024)
+    return dst
+
+
+def _sparse_inputs() -> tuple[torch.Tensor, ...]:
+    """SALA's head layout (2 KV heads of 16 query heads, dim 128) over 512 keys, 64 queries, bf16."""
+    from salaquant.model import sparse_attention as ref
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, t, h, 128, generator=gen) for t, h in ((64, 32), (512, 2), (512, 2)))
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    k1 = ref.compress_keys(k, _SMALL.kernel_size, _SMALL.kernel_stride)
+    k2 = ref.compress_keys(k, _SMALL.kernel_size2, _SMALL.kernel_stride2)
+    return q, k, v, k1, k2
+
+
+@pytest.mark.gpu
+def test_gpu_late_writer_lets_a_pdl_kernel_start_early() -> None:
+    """The harness below has teeth: a kernel launched for programmatic dependent launch right behind ``_late_copy``
+    and reading without ``griddepcontrol.wait`` sees the destination before it is written (NaN)."""
+    if not dev.pdl_capable(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    src = torch.randn(1 << 18, device="cuda")
+    seen = torch.empty_like(src)
+    _copy_without_wait[(256,)](src, seen, src.numel(), BLOCK=1024, launch_pdl=True)  # compiled before the test
+    torch.cuda.synchronize()
+    late = _written_late(src)
+    _copy_without_wait[(256,)](late, seen, src.numel(), BLOCK=1024, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(late, src)
+    assert torch.isnan(seen).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["stage1", "select", "stage2"])
+def test_gpu_infllm_waits_before_reading(step: str) -> None:
+    """Each InfLLM-v2 entry point launched right behind a kernel that lets it start at once and writes its input
+    milliseconds later: its kernels (programmatic dependent launch on this GPU) wait before they touch memory, so
+    the result equals the same call on the input written beforehand, bit for bit."""
+    from salaquant.kernels import infllm
+    from salaquant.model import sparse_attention as ref
+
+    if not dev.pdl_capable(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    p = _SMALL
+    q, k, v, k1, k2 = _sparse_inputs()
+    tk = k.shape[1]
+    q_start = tk - q.shape[1]
+    scores = ref.stage1_scores(q, k1, k2, q_start, p).contiguous()
+    idx = ref.select_blocks(ref.block_scores(scores, q_start, tk, p), q_start, p).to(torch.int32)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        if step == "stage1":  # four splits: the separate LSE kernel, then the scoring kernel behind it
+            args = (p.kernel_size, p.kernel_stride, p.kernel_size2, p.kernel_stride2)
+            return infllm.stage1_scores(x, k1, k2, q_start, *args, num_splits=4)
+        if step == "select":
+            n_sel = p.total_topk
+            return infllm.pool_select(
+                x, q_start, tk, p.block_size, p.kernel_stride, p.init_blocks, p.local_blocks, n_sel
+            )
+        return infllm.block_sparse_attention(x, k, v, idx, q_start, p.block_size, num_splits=2)
+
+    src = scores if step == "select" else q
+    expected = call(src)  # also compiles every kernel before the timed launch
+    torch.cuda.synchronize()
+    got = call(_written_late(src))
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected)
