@@ -1,7 +1,7 @@
 """Programmatic dependent launch of the 4-bit matrix kernels (opt-in, ``pdl=True``): when the launch takes it, and
 on a GPU that a chain of kernels, each reading the previous one's output, gives the same bits with it as without,
-eagerly and captured in a CUDA graph; and that the InfLLM-v2 kernels, which always take it, wait for the kernel before
-them before they touch memory."""
+eagerly and captured in a CUDA graph; and that an InfLLM-v2 entry point, most of whose kernels take it, reads its input
+only once the kernel that writes it has finished."""
 
 from __future__ import annotations
 
@@ -184,8 +184,9 @@ def test_gpu_late_writer_lets_a_pdl_kernel_start_early() -> None:
 @pytest.mark.parametrize("step", ["stage1", "select", "stage2"])
 def test_gpu_infllm_waits_before_reading(step: str) -> None:
     """Each InfLLM-v2 entry point launched right behind a kernel that lets it start at once and writes its input
-    milliseconds later: its kernels (programmatic dependent launch on this GPU) wait before they touch memory, so
-    the result equals the same call on the input written beforehand, bit for bit."""
+    milliseconds later: each of its kernels launched for programmatic dependent launch waits before it touches
+    memory, and each launched the ordinary way waits by stream order, so the result equals the same call on the input
+    written beforehand, bit for bit."""
     from salaquant.kernels import infllm
     from salaquant.model import sparse_attention as ref
 

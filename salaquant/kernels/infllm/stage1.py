@@ -136,9 +136,8 @@ def _stage1_lse_kernel(
     PDL: tl.constexpr,
 ):
     """Partial log2-domain LSE over one ``split_len`` range of K2 windows (``-inf`` where none is visible)."""
-    if PDL:  # may start while the kernel before it still runs: no global access before the wait
+    if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -212,9 +211,8 @@ def _stage1_kernel(
     With ``LSE_IN`` the per-row LSE is merged from ``n_lse_parts`` partials written by ``_stage1_lse_kernel``;
     otherwise it is computed here over all visible K2 windows.
     """
-    if PDL:  # launched behind _stage1_lse_kernel, which may not have started its own wait: none before this one
+    if PDL:  # launched behind _stage1_lse_kernel: reads only its partials after the wait
         gdc_launch_dependents()
-        gdc_wait()
     # heavy (late) tiles first: their work grows with the position
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -232,6 +230,8 @@ def _stage1_kernel(
     if LSE_IN:
         m_i = tl.zeros([ROWS], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([ROWS], dtype=tl.float32)
+        if PDL:
+            gdc_wait()
         # the partials come BLOCK_P at a time as one [BLOCK_P, ROWS] tile: one round of loads, not one per partial
         offs_p = tl.arange(0, BLOCK_P)
         part_base = lse_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * n_lse_parts * ROWS
