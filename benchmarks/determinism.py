@@ -8,8 +8,8 @@ calibration mix of ``pipeline.py`` (same options), and records per decoder layer
 * ``weights``: a checksum of the layer's float weights as loaded (before smoothing and the solve);
 * ``stats``: per input group, checksums of the statistics the quantizer receives (``xtx``, ``xtx_per_sample``,
   ``absmax``, ``sumsq``): a difference made by the statistics pass shows here with equal ``inputs``;
-* ``export``: the sha256 of the layer's tensors in the export (``pipeline.layer_digests``): a difference made by
-  the solve shows here with equal ``stats``.
+* ``export``: the sha256 of the layer's tensors in the export (``pipeline.run_quantizer``'s ``layer_sha256``): a
+  difference made by the solve shows here with equal ``stats``.
 
 Then ``first_difference`` names, for each later run against the first, the first layer at which each record
 differs. Checksums are sums of the tensors' bit patterns as integers: any change of one value changes them. The
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pipeline import QuantRun, layer_digests, prepare_inputs, run_quantizer
+from pipeline import QuantRun, prepare_inputs, run_quantizer
 
 from salaquant.calibration.engine import CalibrationEngine
 from salaquant.gptq.layer import GPTQLayerQuantizer
@@ -137,7 +137,7 @@ def main() -> None:
         job = QuantRun(args.method, model, calib, args.scratch / f"export-{k}", max(lengths))
         with recording(log):
             row = run_quantizer(job, device)
-        for layer, digest in layer_digests(job.out).items():
+        for layer, digest in row["layer_sha256"].items():
             if layer != "-1":
                 log.setdefault(int(layer), {})["export"] = digest
         shutil.rmtree(job.out, ignore_errors=True)

@@ -9,15 +9,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from test_kernels_infllm import SMALL as _SMALL  # the InfLLM-v2 kernel tests' small configuration
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from salaquant.kernels import device as dev
-from salaquant.model.sparse_attention import SparseParams
 
 pytestmark = pytest.mark.random_inputs
-
-# K1 (8, 4), K2 (32, 16), 16-token blocks, 2 local blocks
-_SMALL = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
 
 
 def _pdl_kernels() -> list[str]:

@@ -11,13 +11,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from test_kernels_infllm import SMALL as _SMALL  # the InfLLM-v2 kernel tests' small configuration
 
 from salaquant.model import sparse_attention as ref
-from salaquant.model.sparse_attention import SparseParams
 
 pytestmark = pytest.mark.interpreter
-
-_SMALL = SparseParams(kernel_size=8, kernel_stride=4, init_blocks=1, block_size=16, window_size=32, topk=4)
 
 
 def _fill(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,17 @@ from salaquant.model.tiny import preset_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _benchmark(name: str):
+    """The module ``benchmarks/NAME.py`` (the benchmarks import each other as top-level modules)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def test_pipeline_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--out", str(tmp_path / "out")]
     cmd += ["--preset", "tiny", "--long", "600", "--short", "128", "--short-count", "2"]
@@ -83,11 +94,7 @@ def test_layer_digests_find_the_layer_that_differs(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from pipeline import layer_digests
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    layer_digests = _benchmark("pipeline").layer_digests
     g = torch.Generator().manual_seed(0)
     tensors = {
         "model.embed_tokens.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
@@ -108,15 +115,6 @@ def test_layer_digests_find_the_layer_that_differs(tmp_path: Path) -> None:
     a, b = layer_digests(tmp_path / "a"), layer_digests(tmp_path / "b")
     assert set(a) == set(b) == {"-1", "0", "1", "10"}
     assert [k for k in a if a[k] != b[k]] == ["1"]
-
-
-def _determinism_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import determinism
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return determinism
 
 
 def test_determinism_smoke(tmp_path: Path) -> None:
@@ -142,7 +140,7 @@ def test_determinism_smoke(tmp_path: Path) -> None:
 def test_checksums_see_one_bit_and_first_difference_names_the_layer() -> None:
     import torch
 
-    det = _determinism_module()
+    det = _benchmark("determinism")
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     y = x.clone()
     y.view(torch.int16)[2, 4] ^= 1  # one ulp of one value
